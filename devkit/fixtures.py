@@ -1,0 +1,188 @@
+"""Tiny real models and a demo dataset, built from fixed seeds in ComfyUI's own architectures.
+
+Nothing is downloaded: weights are seeded random tensors saved in the layout ComfyUI's stock loaders
+detect from shapes (UNETLoader, CLIPLoader, VAELoader). The files are rebuilt only when missing, and
+the same seed always gives the same bytes, so file fingerprints are stable across machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MMDIT_FILE = "pipetrainer-tiny-mmdit.safetensors"
+FLUX_FILE = "pipetrainer-min-flux.safetensors"
+CLIP_FILE = "pipetrainer-tiny-clip-l.safetensors"
+VAE_FILE = "pipetrainer-tiny-taesd16.safetensors"
+DEMO_DATASET = "pipetrainer_demo"
+
+
+@dataclass(frozen=True)
+class FixturePaths:
+    mmdit: Path
+    clip: Path
+    vae: Path
+    dataset: Path
+
+
+def _seeded(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def _randomize(state: dict, seed: int, std: float = 0.02) -> dict:
+    """Replace every float tensor with seeded noise (norm weights near 1) so no layer is uninitialised."""
+    import torch
+
+    g = _seeded(seed)
+    out = {}
+    for name in sorted(state):
+        t = state[name]
+        if not t.is_floating_point():
+            out[name] = t.clone()
+            continue
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32) * std
+        if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "ln_k.weight", ".scale")):
+            noise = noise + 1.0
+        out[name] = noise.to(t.dtype).contiguous()
+    return out
+
+
+def build_tiny_mmdit(path: Path, seed: int = 1234) -> Path:
+    """SD3-family MMDiT, depth 4 (hidden 256), 16-channel latents, CLIP-L sized context and pooled."""
+    import torch
+    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
+    from safetensors.torch import save_file
+
+    model = OpenAISignatureMMDITWrapper(
+        input_size=None, patch_size=2, in_channels=16, out_channels=16, depth=4,
+        adm_in_channels=768, num_patches=32 * 32, pos_embed_max_size=32, pos_embed_scaling_factor=None,
+        context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 768, "out_features": 256}},
+        operations=torch.nn, dtype=torch.float32,
+    )
+    state = _randomize(model.state_dict(), seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def build_tiny_clip_l(path: Path, seed: int = 4321) -> Path:
+    """A CLIP-L text encoder with ComfyUI's fixed config and seeded weights (fp16 on disk)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+    )
+    model = CLIPTextModelWithProjection(config)
+    state = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items() if "position_ids" not in k}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def build_tiny_taesd16(path: Path, seed: int = 999) -> Path:
+    """ComfyUI's TAESD with 16 latent channels (VAELoader detects it from ``taesd_decoder.1.weight``)."""
+    import torch
+    from comfy.taesd.taesd import TAESD
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = TAESD(latent_channels=16)
+    with torch.no_grad():  # ComfyUI's layers skip init: initialise every weight here
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                torch.nn.init.kaiming_uniform_(p, a=5**0.5)
+            elif name.endswith("bias"):
+                p.zero_()
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def build_min_flux(path: Path, seed: int = 77) -> Path:
+    """The smallest Flux ComfyUI detects: hidden 3072, 1 double + 1 single block, 768-d context/vec."""
+    import torch
+    from comfy.ldm.flux.model import Flux
+    from safetensors.torch import save_file
+
+    model = Flux(
+        in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=768, hidden_size=3072,
+        mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000,
+        patch_size=2, qkv_bias=True, guidance_embed=False, image_model="flux",
+        operations=torch.nn, dtype=torch.bfloat16,
+    )
+    state = _randomize(model.state_dict(), seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+_DEMO_CAPTIONS = (
+    "a red circle on a blue background",
+    "a yellow square on a green background",
+    "a white triangle on a black background",
+    "a purple circle on an orange background",
+)
+
+
+def build_demo_dataset(folder: Path, size: int = 64, seed: int = 5) -> Path:
+    """Four simple shape images with same-name .txt captions."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    colors = {"red": (220, 30, 30), "blue": (30, 60, 200), "yellow": (230, 220, 40), "green": (40, 160, 60),
+              "white": (245, 245, 245), "black": (10, 10, 10), "purple": (130, 40, 160), "orange": (240, 140, 30)}
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, caption in enumerate(_DEMO_CAPTIONS):
+        words = caption.split()
+        fg, bg = colors[words[1]], colors[words[-2]]
+        img = Image.new("RGB", (size, size), bg)
+        d = ImageDraw.Draw(img)
+        m = rng.randint(8, 14)
+        box = (m, m, size - m, size - m)
+        shape = words[2]
+        if shape == "circle":
+            d.ellipse(box, fill=fg)
+        elif shape == "square":
+            d.rectangle(box, fill=fg)
+        else:
+            d.polygon([(size // 2, m), (size - m, size - m), (m, size - m)], fill=fg)
+        img.save(folder / f"demo_{i:02d}.png")
+        (folder / f"demo_{i:02d}.txt").write_text(caption + "\n", encoding="utf-8")
+    return folder
+
+
+def ensure_fixtures(comfyui: Path, *, flux: bool = False) -> FixturePaths:
+    """Build whatever fixture is missing under a ComfyUI tree's ``models`` and ``input`` folders."""
+    models = comfyui / "models"
+    paths = FixturePaths(
+        mmdit=models / "diffusion_models" / MMDIT_FILE,
+        clip=models / "text_encoders" / CLIP_FILE,
+        vae=models / "vae" / VAE_FILE,
+        dataset=comfyui / "input" / DEMO_DATASET,
+    )
+    builders = ((paths.mmdit, build_tiny_mmdit), (paths.clip, build_tiny_clip_l), (paths.vae, build_tiny_taesd16))
+    for target, build in builders:
+        if not target.exists():
+            _build_atomically(target, build)
+    if not (paths.dataset / "demo_00.txt").exists():
+        build_demo_dataset(paths.dataset)
+    flux_path = models / "diffusion_models" / FLUX_FILE
+    if flux and not flux_path.exists():
+        _build_atomically(flux_path, build_min_flux)
+    return paths
+
+
+def _build_atomically(target: Path, build) -> None:
+    tmp = target.with_name(f".{target.name}.building")
+    build(tmp)
+    tmp.replace(target)

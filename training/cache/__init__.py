@@ -1,0 +1,1 @@
+"""Latent and text-embedding cache keyed by content and encoder identity (see keys.py)."""

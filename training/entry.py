@@ -1,0 +1,46 @@
+"""Command-line entry of the training process, started by file path.
+
+The pack's folder name (``ComfyUI-PipeTrainer``) is not a Python module name, so this file imports
+the pack as the package ``pipetrainer`` from its own location, then hands over to the supervisor or a
+rank. ``import_pack`` is also what tests use to import the pack.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+PACKAGE = "pipetrainer"
+PACK_DIR = Path(__file__).resolve().parent.parent
+
+
+def import_pack(name: str = PACKAGE):
+    """Import this pack as a package called ``name`` (idempotent)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, PACK_DIR / "__init__.py",
+                                                  submodule_search_locations=[str(PACK_DIR)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("supervise", "rank"):
+        print("usage: entry.py supervise|rank <spec.json>", file=sys.stderr)
+        return 2
+    import_pack()
+    command, spec_path = argv
+    if command == "supervise":
+        from pipetrainer.training.supervisor import supervise
+
+        return supervise(spec_path, entry=str(Path(__file__).resolve()))
+    from pipetrainer.training.rank import run_rank
+
+    return run_rank(spec_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,79 @@
+"""One training rank: process hygiene, distributed init, model replay, then the engine.
+
+Started by the supervisor with RANK / WORLD_SIZE / LOCAL_RANK and a file rendezvous in the run dir.
+Each rank dies with its supervisor (PR_SET_PDEATHSIG) so a killed tree leaves no orphan on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+
+from .events import EventWriter
+from .spec import RunSpec
+
+EXIT_OK, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the supervisor) dies."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_rank(spec_path: str) -> int:
+    die_with_parent()
+    spec = RunSpec.load(spec_path).validated()
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    events = EventWriter(spec.run_dir, source=f"rank{rank}")
+    try:
+        return _train(spec, rank, world, local_rank, events)
+    except BaseException as exc:  # report, then let the supervisor tear the group down
+        events.emit("error", rank=rank, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+
+
+def _train(spec: RunSpec, rank: int, world: int, local_rank: int, events: EventWriter) -> int:
+    import torch
+
+    if spec.device == "cpu":
+        torch.set_num_threads(int(os.environ.get("PIPETRAINER_THREADS", "1")))
+    from .comfy_env import use_comfyui
+
+    use_comfyui(spec.comfyui_path, spec.device)
+    from ..patches.deepspeed_shm import disable_shm_comm_build
+
+    disable_shm_comm_build()
+    import deepspeed
+
+    from .engine import RankContext, Trainer
+    from .model_source import load_model
+
+    if spec.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+        init_method=os.environ.get("PIPETRAINER_INIT_METHOD", "env://"), rank=rank, world_size=world,
+        timeout=timedelta(seconds=float(os.environ.get("PIPETRAINER_PG_TIMEOUT", "300"))),
+    )
+    patcher = load_model(spec.model, spec.train.dtype)
+    trainer = Trainer(spec, RankContext(rank, world, local_rank, device, events))
+    trainer.setup(patcher)
+    outcome = trainer.train()
+    torch.distributed.barrier()
+    if rank == 0:
+        events.emit(outcome, step=trainer.step)
+    torch.distributed.destroy_process_group()
+    return EXIT_OK if outcome == "finished" else EXIT_STOPPED
