@@ -1,0 +1,43 @@
+"""``Cache Latents & Text``: encode the dataset once with the graph's VAE and text encoder."""
+
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ..training.cache.store import build_cache
+from .types import CATEGORY, Cache, Dataset
+
+
+def cache_root() -> str:
+    return os.path.join(folder_paths.get_output_directory(), "pipetrainer", "cache")
+
+
+class PipeTrainerCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PipeTrainerCache",
+            display_name="Cache Latents & Text",
+            category=CATEGORY,
+            is_output_node=True,
+            description="Encodes images to latents and captions to text embeddings, keyed by content and "
+                        "encoder identity, so a changed file, caption or encoder can never reuse stale data.",
+            inputs=[
+                Dataset.Input("dataset", tooltip="From the Dataset node."),
+                io.Vae.Input("vae", tooltip="The VAE of the model family you train."),
+                io.Clip.Input("clip", tooltip="The text encoder(s) of the model family you train."),
+            ],
+            outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
+                     io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
+        )
+
+    @classmethod
+    def execute(cls, dataset, vae, clip) -> io.NodeOutput:
+        result = build_cache(dataset, vae, clip, cache_root())
+        report = result.report.text()
+        if not result.items:
+            raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")
+        return io.NodeOutput(result, report, ui=ui.PreviewText(report))

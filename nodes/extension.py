@@ -1,0 +1,25 @@
+"""The ComfyUI extension: the list of PipeTrainer nodes (their node ids are public API)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .cache import PipeTrainerCache
+from .configs import PipeTrainerLoRA, PipeTrainerOptimizer
+from .dataset import PipeTrainerDataset
+from .model_source import PipeTrainerLoadDiffusionModel
+from .train import PipeTrainerTrain
+
+NODES: list[type[io.ComfyNode]] = [
+    PipeTrainerLoadDiffusionModel,
+    PipeTrainerDataset,
+    PipeTrainerCache,
+    PipeTrainerLoRA,
+    PipeTrainerOptimizer,
+    PipeTrainerTrain,
+]
+
+
+class PipeTrainerExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)

@@ -1,0 +1,140 @@
+"""Starting the training process tree from the node, following its events, and stopping it.
+
+The supervisor runs in its own session (process group) so it can always be ended as a whole. Cancel
+asks for a graceful stop first (the ranks agree on a step, checkpoint and save), then terminates the
+group if that takes too long. Whatever happens in the node, no training process outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..training.events import EventReader, stop_path
+from ..training.spec import RunSpec
+
+ENTRY = Path(__file__).resolve().parent.parent / "training" / "entry.py"
+EXIT_OK, EXIT_STOPPED = 0, 3
+STOP_GRACE_S = 120.0
+POLL_S = 0.25
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class RunHandle:
+    spec: RunSpec
+    proc: subprocess.Popen
+    reader: EventReader
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.spec.run_dir)
+
+
+def launch(spec: RunSpec) -> RunHandle:
+    """Write the spec into its run dir and start the supervisor in a new session."""
+    run_dir = Path(spec.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(spec.to_json(), encoding="utf-8")
+    log = open(run_dir / "logs" / "supervisor.log", "ab")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(ENTRY), "supervise", str(spec_path)], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            cwd=str(run_dir), start_new_session=True)
+    log.close()
+    return RunHandle(spec, proc, EventReader(run_dir))
+
+
+def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Callable[[], bool]) -> int:
+    """Forward events until the supervisor exits; on interrupt, stop the run and return its code.
+
+    Exceptions raised by ``on_event`` (ComfyUI's progress hook raises on Cancel) also stop the run.
+    """
+    try:
+        while True:
+            code = handle.proc.poll()
+            for event in handle.reader.poll():
+                handle.events.append(event)
+                on_event(event)
+            if code is not None:
+                for event in handle.reader.poll():
+                    handle.events.append(event)
+                    on_event(event)
+                return code
+            if interrupted():
+                return stop(handle)
+            time.sleep(POLL_S)
+    except BaseException:
+        stop(handle)
+        raise
+
+
+def stop(handle: RunHandle, grace_s: float = STOP_GRACE_S) -> int:
+    """Ask the ranks to stop and save; end the process group if they do not within ``grace_s``."""
+    if handle.proc.poll() is None:
+        stop_path(handle.run_dir).touch()
+        try:
+            handle.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            kill_group(handle.proc)
+    kill_group(handle.proc)  # leftovers of a finished supervisor, if any
+    return handle.proc.returncode
+
+
+def kill_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
+    """SIGTERM the supervisor's process group, then SIGKILL whatever remains."""
+    for sig, wait in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            if proc.poll() is None:
+                try:
+                    proc.wait(0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(0.1)
+        if not _group_alive(proc.pid):
+            break
+    if proc.poll() is None:
+        proc.wait(5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def failure_message(handle: RunHandle) -> str:
+    """The most useful error text: rank errors, the supervisor's verdict, and log tails."""
+    parts = []
+    for e in handle.events:
+        if e.get("type") == "error":
+            parts.append(f"rank {e.get('rank')}: {e.get('message')}")
+    for e in handle.events:
+        if e.get("type") == "failed":
+            parts.append(f"rank {e.get('rank')} exited with code {e.get('exit_code')}. Log tail:\n{e.get('log_tail', '')}")
+    if not parts:
+        sup = handle.run_dir / "logs" / "supervisor.log"
+        tail = sup.read_text(errors="replace")[-4000:] if sup.exists() else ""
+        parts.append(f"the training process exited with code {handle.proc.returncode}.\n{tail}")
+    return f"Training failed (run dir {handle.run_dir}):\n" + "\n".join(parts)
