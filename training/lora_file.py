@@ -70,6 +70,7 @@ def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata:
     os.close(fd)
     try:
         save_file(dict(tensors), tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a LoRA is a normal shared file
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

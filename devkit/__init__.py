@@ -1,0 +1,1 @@
+"""Developer tooling: the reproducible ComfyUI host, tiny fixtures and the headless demo."""

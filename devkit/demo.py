@@ -1,0 +1,54 @@
+"""The main job, headless: run the example workflow on a real ComfyUI with the bundled tiny model."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ..training.events import read_all
+from .fixtures import ensure_fixtures
+from .host import ComfyServer, ensure_host, history_error, output_images
+
+PACK_DIR = Path(__file__).resolve().parent.parent
+WORKFLOW = PACK_DIR / "workflows" / "pipetrainer_tiny_mmdit_api.json"
+
+
+def newest_run_dir(root: Path) -> Path | None:
+    runs = sorted((root / "output" / "pipetrainer" / "runs").glob("pipetrainer_demo-*"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+def run_demo(timeout_s: float = 900.0) -> int:
+    from ..training.comfy_env import use_comfyui
+
+    root = ensure_host()
+    use_comfyui(root)
+    ensure_fixtures(root)
+    prompt = json.loads(WORKFLOW.read_text())
+    log = PACK_DIR / ".host" / "demo-server.log"
+    start = time.time()
+    with ComfyServer(root, log) as server:
+        ready = time.time()
+        queued = time.time()
+        entry = server.wait(server.queue(prompt), timeout_s)
+    done = time.time()
+    error = history_error(entry)
+    if error:
+        print(f"FAILED: {error}\nserver log: {log}")
+        return 1
+    run_dir = newest_run_dir(root)
+    events = read_all(run_dir) if run_dir else []
+    steps = [e for e in events if e["type"] == "step"]
+    saved = [e["path"] for e in events if e["type"] == "saved" and e.get("final")]
+    images = output_images(entry, root)
+    print(f"LoRA:   {saved[0] if saved else '?'}")
+    print(f"image:  {images[0] if images else '?'}")
+    print(f"run dir: {run_dir}")
+    print(f"server start {ready - start:.1f} s; workflow {done - queued:.1f} s; demo wall time {done - start:.1f} s")
+    if steps:
+        print(f"queue -> first step {steps[0]['time'] - queued:.1f} s; "
+              f"median s/step {statistics.median(e['step_time'] for e in steps):.3f}; "
+              f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps")
+    return 0

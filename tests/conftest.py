@@ -1,0 +1,81 @@
+"""Shared fixtures: the pack imported as ``pipetrainer``, the real ComfyUI host, tiny models, a server.
+
+Everything is real: ComfyUI from the pinned host, DeepSpeed on CPU ranks over gloo, PEFT, safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+PACK_DIR = Path(__file__).resolve().parent.parent
+
+
+def _import_pack():
+    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "entry.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return entry.import_pack()
+
+
+_import_pack()
+
+from pipetrainer.devkit.fixtures import FixturePaths, ensure_fixtures  # noqa: E402
+from pipetrainer.devkit.host import ComfyServer, ensure_host  # noqa: E402
+from pipetrainer.training.comfy_env import use_comfyui  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def comfy_root() -> Path:
+    root = ensure_host()
+    use_comfyui(root, "cpu")
+    return root
+
+
+@pytest.fixture(scope="session")
+def fixture_paths(comfy_root) -> FixturePaths:
+    return ensure_fixtures(comfy_root)
+
+
+@pytest.fixture(scope="session")
+def flux_path(comfy_root) -> Path:
+    ensure_fixtures(comfy_root, flux=True)
+    return comfy_root / "models" / "diffusion_models" / "pipetrainer-min-flux.safetensors"
+
+
+@pytest.fixture(scope="session")
+def server(comfy_root, fixture_paths, tmp_path_factory):
+    """One real ComfyUI server with this pack, shared by the server tests."""
+    log = tmp_path_factory.mktemp("server") / "comfyui.log"
+    srv = ComfyServer(comfy_root, log).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def encoders(comfy_root, fixture_paths):
+    """The tiny VAE and CLIP-L loaded by ComfyUI's own loaders, in this process."""
+    import comfy.sd
+    import comfy.utils
+
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(fixture_paths.vae)))
+    clip = comfy.sd.load_clip([str(fixture_paths.clip)], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION)
+    return vae, clip
+
+
+@pytest.fixture(scope="session")
+def demo_cache(encoders, fixture_paths, tmp_path_factory):
+    """The demo dataset cached at 64 px (a CacheResult)."""
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.dataset import scan_dataset
+
+    vae, clip = encoders
+    dataset = scan_dataset(fixture_paths.dataset, 64)
+    return build_cache(dataset, vae, clip, tmp_path_factory.mktemp("cache"))
+
+
+def pytest_configure(config):
+    os.environ.setdefault("PIPETRAINER_THREADS", "1")
