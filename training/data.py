@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
+from .cache.reader import read_entries
 from .loss import noisy_input_and_target, sample_sigmas
 from .spec import CacheItem
 
@@ -25,19 +26,37 @@ class Example:
     cond: torch.Tensor  # [T, D]
     pooled: torch.Tensor | None  # [D]
 
+    @property
+    def shape_key(self) -> tuple:
+        """Examples with equal keys stack into one micro-batch (same bucket)."""
+        return tuple(self.latent.shape), tuple(self.cond.shape), None if self.pooled is None else tuple(self.pooled.shape)
+
 
 def load_examples(items: Sequence[CacheItem]) -> list[Example]:
     """Read every cached item once (latents and embeddings are small next to the model)."""
-    loaded: dict[tuple[str, str], Example] = {}
+    keyed: dict[str, set[str]] = {}
+    for item in items:
+        if item.latent_key:
+            keyed.setdefault(item.latent_file, set()).update((item.latent_key, item.text_key))
+    tensors = {k: v for index_file, keys in keyed.items() for k, v in read_entries(index_file, keys).items()}
+    loaded: dict[tuple[str, str, str, str], Example] = {}
     out = []
     for item in items:
-        key = (item.latent_file, item.text_file)
+        key = (item.latent_file, item.text_file, item.latent_key, item.text_key)
         if key not in loaded:
-            lat = load_file(item.latent_file)
-            txt = load_file(item.text_file)
+            lat = tensors[item.latent_key] if item.latent_key else load_file(item.latent_file)
+            txt = tensors[item.text_key] if item.text_key else load_file(item.text_file)
             loaded[key] = Example(lat["latent"], txt["cond"], txt.get("pooled"))
         out.append(loaded[key])
     return out
+
+
+def bucket_groups(examples: Sequence[Example]) -> list[list[int]]:
+    """Indices of the examples grouped by shape, groups in a fixed order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(examples):
+        groups.setdefault(e.shape_key, []).append(i)
+    return [groups[k] for k in sorted(groups, key=repr)]
 
 
 class MicroBatches:
@@ -55,6 +74,9 @@ class MicroBatches:
         self.replica = replica
         self.replicas = replicas
         self._orders: dict[int, list[int]] = {}
+        self._groups = bucket_groups(examples)
+        self._batches_per_epoch = sum(-(-len(g) // batch_size) for g in self._groups)
+        self._epoch_batches: dict[int, list[list[int]]] = {}
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -63,7 +85,26 @@ class MicroBatches:
             self._orders = {epoch: order}
         return self._orders[epoch]
 
+    def _bucket_batches(self, epoch: int) -> list[list[int]]:
+        """Several buckets: each bucket shuffled and cut into batches (the last one topped up from
+        the same bucket), then the batches of all buckets shuffled; one epoch at a time."""
+        if epoch not in self._epoch_batches:
+            rng = random.Random(self.seed * 7919 + epoch)
+            batches = []
+            for group in self._groups:
+                order = list(group)
+                rng.shuffle(order)
+                for s in range(0, len(order), self.batch_size):
+                    chunk = order[s:s + self.batch_size]
+                    batches.append(chunk + [order[j % len(order)] for j in range(self.batch_size - len(chunk))])
+            rng.shuffle(batches)
+            self._epoch_batches = {epoch: batches}
+        return self._epoch_batches[epoch]
+
     def _indices(self, micro: int) -> list[int]:
+        if len(self._groups) > 1:
+            epoch, j = divmod(micro * self.replicas + self.replica, self._batches_per_epoch)
+            return self._bucket_batches(epoch)[j]
         n = len(self.examples)
         start = (micro * self.replicas + self.replica) * self.batch_size
         return [self._order(pos // n)[pos % n] for pos in range(start, start + self.batch_size)]

@@ -1,7 +1,9 @@
-"""Scanning a folder of images with same-name ``.txt`` captions (pure Python + Pillow).
+"""Scanning a folder of images and videos with same-name ``.txt`` captions (pure Python).
 
 The missing-caption policy is explicit: ``error`` names every file without a caption, ``skip`` drops
 them, ``empty`` trains them with an empty caption; both of the latter are counted in the report.
+The bucket settings (aspect ratios, resolutions, video frames and fps) travel with the dataset so the
+cache can place every item; see ``cache/buckets.py`` for the arithmetic.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CAPTION_POLICIES = ("error", "skip", "empty")
 
 
@@ -19,8 +22,48 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class ImageEntry:
+    """One source file (image or video) and its caption."""
+
     path: str
     caption: str
+
+    @property
+    def is_video(self) -> bool:
+        return Path(self.path).suffix.lower() in VIDEO_EXTENSIONS
+
+
+@dataclass(frozen=True)
+class BucketSettings:
+    """Aspect-ratio buckets (log-spaced between ``min_ratio`` and ``max_ratio``, width/height), the
+    training resolutions (each item is cached once per resolution), the pixel multiple every bucket
+    side is rounded to, and video frame buckets (1 and 4k+1 frames up to ``max_frames`` at ``fps``)."""
+
+    resolutions: tuple[int, ...]
+    min_ratio: float = 1.0
+    max_ratio: float = 1.0
+    count: int = 1
+    multiple: int = 16
+    max_frames: int = 33
+    fps: float = 16.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.resolutions:
+            out.append("Give at least one training resolution.")
+        for res in self.resolutions:
+            if res < self.multiple:
+                out.append(f"Resolution {res} is smaller than the bucket multiple {self.multiple}: raise it.")
+        if not 0 < self.min_ratio <= 1.0 <= self.max_ratio:
+            out.append(f"Aspect ratios need 0 < min_ratio <= 1 <= max_ratio (got {self.min_ratio}, {self.max_ratio}).")
+        if self.count < 1:
+            out.append(f"Bucket count must be at least 1 (got {self.count}).")
+        if self.multiple < 1:
+            out.append(f"Bucket multiple must be at least 1 (got {self.multiple}).")
+        if self.max_frames < 1:
+            out.append(f"max_frames must be at least 1 (got {self.max_frames}).")
+        if not self.fps > 0:
+            out.append(f"fps must be positive (got {self.fps}).")
+        return out
 
 
 @dataclass(frozen=True)
@@ -34,9 +77,21 @@ class DatasetSpec:
     skipped: tuple[str, ...] = ()
     empty_captions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    buckets: BucketSettings | None = None
+
+    @property
+    def bucket_settings(self) -> BucketSettings:
+        """The explicit settings, or one square bucket at ``resolution`` (the plain case)."""
+        return self.buckets or BucketSettings(resolutions=(self.resolution,))
 
     def report(self) -> str:
-        lines = [f"{len(self.entries)} images in {self.folder} (x{self.repeats} repeats), {self.resolution}px"]
+        b = self.bucket_settings
+        videos = sum(e.is_video for e in self.entries)
+        res = ", ".join(f"{r}px" for r in b.resolutions)
+        lines = [f"{len(self.entries) - videos} images and {videos} videos in {self.folder} "
+                 f"(x{self.repeats} repeats), {res}"]
+        if b.count > 1:
+            lines.append(f"{b.count} aspect buckets from {b.min_ratio:g} to {b.max_ratio:g} (width/height)")
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} without caption: {', '.join(self.skipped)}")
         if self.empty_captions:
@@ -44,17 +99,21 @@ class DatasetSpec:
         return "\n".join(lines + list(self.notes))
 
 
-def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error") -> DatasetSpec:
-    """List the images of ``folder`` with their captions, applying the missing-caption policy."""
+def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error",
+                 buckets: BucketSettings | None = None) -> DatasetSpec:
+    """List the images and videos of ``folder`` with their captions, applying the missing-caption policy."""
     folder = Path(folder)
     if missing_caption not in CAPTION_POLICIES:
         raise DatasetError(f"missing_caption must be one of {', '.join(CAPTION_POLICIES)} (got {missing_caption!r}).")
+    if buckets is not None and buckets.problems():
+        raise DatasetError("Bucket settings: " + " ".join(buckets.problems()))
     if not folder.is_dir():
         raise DatasetError(f"Dataset folder {folder} does not exist: create it or fix the path.")
-    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    media = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
+    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in media)
     if not images:
         raise DatasetError(
-            f"Dataset folder {folder} has no images ({', '.join(IMAGE_EXTENSIONS)}): add images with .txt captions."
+            f"Dataset folder {folder} has no images or videos ({', '.join(media)}): add them with .txt captions."
         )
     entries, missing, skipped, empty = [], [], [], []
     for img in images:
@@ -71,9 +130,10 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
             entries.append(ImageEntry(str(img), ""))
     if missing:
         raise DatasetError(
-            f"{len(missing)} image(s) in {folder} have no caption (or an empty one): {', '.join(missing)}. "
+            f"{len(missing)} file(s) in {folder} have no caption (or an empty one): {', '.join(missing)}. "
             "Add a same-name .txt file for each, or set missing_caption to 'skip' or 'empty'."
         )
     if not entries:
-        raise DatasetError(f"Every image in {folder} was skipped for lack of a caption: add .txt captions.")
-    return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty))
+        raise DatasetError(f"Every file in {folder} was skipped for lack of a caption: add .txt captions.")
+    return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty),
+                       buckets=buckets)

@@ -47,12 +47,20 @@ class ModelRecipe:
 
 @dataclass(frozen=True)
 class CacheItem:
-    """One training example: its cached latent and text-embedding files, and where it came from."""
+    """One training example: where its cached latent and text embedding are, and where it came from.
+
+    With keys set, ``latent_file``/``text_file`` are the cache's index file and the keys name the
+    entries in it (see training/cache); without keys they are plain safetensors files. Items of one
+    ``bucket`` share tensor shapes, so a micro-batch draws from one bucket.
+    """
 
     latent_file: str
     text_file: str
     source: str
     caption: str
+    latent_key: str = ""
+    text_key: str = ""
+    bucket: str = ""
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,8 @@ class RunSpec:
         d = self.to_dict()
         keep = {
             "model": {k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint", "loras")},
-            "items": [(i["latent_file"].rsplit("/", 1)[-1], i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
+            "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
+                       i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
             "lora": d["lora"],
             "optimizer": d["optimizer"],
             "train": {k: v for k, v in d["train"].items() if k not in ("steps", "save_every")},

@@ -1,18 +1,30 @@
-"""Encoder identity and encoding with ComfyUI's VAE and CLIP objects (runs in the ComfyUI process).
+"""What the cache encodes with: a small contract, and its implementation over ComfyUI's VAE and CLIP.
 
 The identity of an encoder is a fingerprint of its weights plus its dtype, not a file name: a VAE
-swapped under the same name, or the same file loaded in another dtype, gets a new identity.
+swapped under the same name, or the same file loaded in another dtype, gets a new identity and
+therefore new cache keys.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Protocol
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
 
 _SAMPLES_PER_TENSOR = 4096
+
+
+class Encoders(Protocol):
+    """The two encoders a cache needs. ``latent`` takes ``[F, H, W, 3]`` pixels in [0, 1]."""
+
+    def latent_identity(self) -> str: ...
+
+    def text_identity(self) -> str: ...
+
+    def encode_latent(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]: ...
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
@@ -38,20 +50,43 @@ def text_encoder_identity(clip) -> str:
     return f"{weights_fingerprint(model)}:{dtype}"
 
 
-def load_pixels(path: str, resolution: int) -> torch.Tensor:
-    """RGB image resized to cover ``resolution`` and center-cropped: [1, H, W, 3] floats in [0, 1]."""
-    with Image.open(path) as img:
-        img = ImageOps.exif_transpose(img).convert("RGB")
-        img = ImageOps.fit(img, (resolution, resolution), method=Image.Resampling.LANCZOS)
-        arr = np.asarray(img, dtype=np.float32) / 255.0
-    return torch.from_numpy(arr)[None]
+def latent_layout(encoded: torch.Tensor, frames: int) -> torch.Tensor:
+    """One item's latent: ``[C, H, W]`` for an image, ``[C, T, H, W]`` for a clip.
+
+    A video VAE returns ``[1, C, T, H, W]``; an image VAE encodes a clip frame by frame as
+    ``[F, C, H, W]``, which is moved to the same channels-first layout.
+    """
+    if encoded.ndim == 5:
+        return encoded[0]
+    return encoded[0] if frames == 1 else encoded.movedim(0, 1)
 
 
-def encode_latent(vae, pixels: torch.Tensor) -> torch.Tensor:
-    return vae.encode(pixels[:, :, :, :3]).to(torch.float32).cpu()
+class ComfyEncoders:
+    """ComfyUI's ``VAE`` and ``CLIP`` objects behind :class:`Encoders`; identities computed once."""
 
+    def __init__(self, vae, clip):
+        self.vae = vae
+        self.clip = clip
+        self._ids: dict[str, str] = {}
 
-def encode_text(clip, caption: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    tokens = clip.tokenize(caption)
-    cond, pooled = clip.encode_from_tokens(tokens, return_pooled=True)
-    return cond.to(torch.float32).cpu(), None if pooled is None else pooled.to(torch.float32).cpu()
+    def latent_identity(self) -> str:
+        if "vae" not in self._ids:
+            self._ids["vae"] = vae_identity(self.vae)
+        return self._ids["vae"]
+
+    def text_identity(self) -> str:
+        if "text" not in self._ids:
+            self._ids["text"] = text_encoder_identity(self.clip)
+        return self._ids["text"]
+
+    def encode_latent(self, pixels: torch.Tensor) -> torch.Tensor:
+        encoded = self.vae.encode(pixels[..., :3]).to(torch.float32).cpu()
+        return latent_layout(encoded, pixels.shape[0]).contiguous()
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        tokens = self.clip.tokenize(caption)
+        cond, pooled = self.clip.encode_from_tokens(tokens, return_pooled=True)
+        out = {"cond": cond[0].to(torch.float32).cpu().contiguous()}
+        if pooled is not None:
+            out["pooled"] = pooled[0].to(torch.float32).cpu().contiguous()
+        return out

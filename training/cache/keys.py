@@ -1,8 +1,10 @@
 """Cache keys: every input that changes an encoded tensor is part of its key.
 
-A latent's key covers the source bytes, the preprocessing, the VAE's weights fingerprint and dtype
-and the format version; a text embedding's key covers the caption, the text encoder's fingerprint and
-dtype and the format version. A stale entry would need a hash collision, not a forgotten setting.
+A latent's key covers the source's content digest, the preprocessing (bucket size, frame count, fps,
+crop, resize filter), the VAE's weights fingerprint and dtype, the latent scaling convention and the
+format version; a text embedding's key covers the caption, the text encoder's fingerprint and dtype
+and the format version. A stale entry would need a hash collision, not a forgotten setting. The
+components are kept beside each key so that a re-encode can name what changed.
 """
 
 from __future__ import annotations
@@ -10,21 +12,45 @@ from __future__ import annotations
 import hashlib
 import json
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
+LATENT_SCALING = "raw"  # stored as the VAE returns it; the model's process_latent_in runs at train time
+
+_CHANGE_NAMES = {
+    "source": "source bytes changed",
+    "prep": "preprocessing changed",
+    "vae": "VAE changed (weights or dtype)",
+    "scaling": "latent scaling changed",
+    "caption": "caption changed",
+    "encoder": "text encoder changed (weights or dtype)",
+    "v": "cache format version changed",
+}
 
 
-def _digest(kind: str, fields: dict) -> str:
-    payload = json.dumps({"kind": kind, "v": CACHE_FORMAT_VERSION, **fields}, sort_keys=True)
-    return hashlib.blake2b(payload.encode(), digest_size=20).hexdigest()
+def _digest(fields: dict) -> str:
+    return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=20).hexdigest()
 
 
-def source_digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=20).hexdigest()
+def latent_components(source_digest: str, preprocessing: dict, vae_identity: str) -> dict:
+    return {"kind": "latent", "v": CACHE_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
+            "vae": vae_identity, "scaling": LATENT_SCALING}
 
 
-def latent_key(source: str, preprocessing: dict, vae_identity: str) -> str:
-    return _digest("latent", {"source": source, "prep": preprocessing, "vae": vae_identity})
+def text_components(caption: str, encoder_identity: str) -> dict:
+    return {"kind": "text", "v": CACHE_FORMAT_VERSION, "caption": caption, "encoder": encoder_identity}
 
 
-def text_key(caption: str, encoder_identity: str) -> str:
-    return _digest("text", {"caption": caption, "encoder": encoder_identity})
+def key_of(components: dict) -> str:
+    return _digest(components)
+
+
+def change_reason(old: dict, new: dict) -> str:
+    """Why ``new`` needs an encode where ``old`` was cached, e.g. ``caption changed``."""
+    parts = []
+    for name, text in _CHANGE_NAMES.items():
+        if old.get(name) == new.get(name):
+            continue
+        if name == "prep" and isinstance(old.get(name), dict):
+            diffs = [f"{k} {old[name].get(k)} -> {v}" for k, v in sorted(new[name].items()) if old[name].get(k) != v]
+            text = f"{text} ({', '.join(diffs)})"
+        parts.append(text)
+    return "; ".join(parts) or "entry missing from the cache"

@@ -1,44 +1,70 @@
-"""A content-addressed cache on disk: one small safetensors file per key, written atomically.
+"""Filling the cache: revalidate what is there, encode what is missing, report every decision.
 
-Because the file name *is* the key (see keys.py), reuse is a lookup and invalidation is automatic: a
-changed input produces a different key and therefore a fresh encode. An unreadable file is treated
-as missing and re-encoded.
+Revalidation is cheap by design: a source whose size and mtime match the index keeps its recorded
+content digest and probe (a changed mtime costs one hash of the file, and an unchanged hash means
+nothing is re-encoded); keys are recomputed from their components (see keys.py) and looked up in the
+index; only shards whose size or mtime changed since they were last known good are checksummed again.
+Several processes may fill one cache: each key is claimed before encoding, so it is encoded once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
-from ..dataset import DatasetSpec
-from ..lora_file import atomic_save
+from ..dataset import DatasetSpec, ImageEntry
 from ..spec import CacheItem
-from . import encoders
-from .keys import latent_key, source_digest, text_key
+from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
+from .encoders import ComfyEncoders, Encoders
+from .index import CacheIndex, Entry, Source
+from .keys import change_reason, key_of, latent_components, text_components
+from .media import Probe, load_image, load_video, probe_image, probe_video
+from .shards import ShardWriter, checksum, pack
+
+CROP_NOTE_THRESHOLD = 0.25  # report items losing more than this share of their area to the crop
+_POLL_S = 0.1
+
+Progress = Callable[[int, int], None]
 
 
 @dataclass
 class CacheReport:
-    encoded: Counter = field(default_factory=Counter)  # kind -> count
+    cached: Counter = field(default_factory=Counter)  # kind -> first-time encodes
     reused: Counter = field(default_factory=Counter)
-    reencoded: list[str] = field(default_factory=list)  # "file: reason"
+    reencoded: list[str] = field(default_factory=list)  # "file kind: reason"
+    reencoded_kinds: Counter = field(default_factory=Counter)
+    by_other_process: Counter = field(default_factory=Counter)
     skipped: list[str] = field(default_factory=list)  # "file: reason"
+    notes: list[str] = field(default_factory=list)
+    buckets: Counter = field(default_factory=Counter)  # bucket name -> items
     seconds: float = 0.0
 
+    @property
+    def encoded(self) -> Counter:
+        """Every encode this process ran, first-time and repeated."""
+        return self.cached + self.reencoded_kinds
+
     def text(self) -> str:
-        lines = [
-            f"latents: {self.encoded['latent']} encoded, {self.reused['latent']} reused; "
-            f"text: {self.encoded['text']} encoded, {self.reused['text']} reused ({self.seconds:.1f} s)"
-        ]
+        def kinds(c: Counter) -> str:
+            return f"{c['latent']} latents, {c['text']} texts"
+
+        lines = [f"cached {kinds(self.cached)}; reused {kinds(self.reused)}; "
+                 f"re-encoded {kinds(self.reencoded_kinds)}; skipped {len(self.skipped)} files "
+                 f"({self.seconds:.1f} s)"]
+        if self.by_other_process:
+            lines.append(f"encoded meanwhile by another process: {kinds(self.by_other_process)}")
+        if self.buckets:
+            lines.append("buckets: " + ", ".join(f"{b} ({n})" for b, n in sorted(self.buckets.items())))
         lines += [f"re-encoded {r}" for r in self.reencoded]
         lines += [f"skipped {s}" for s in self.skipped]
-        return "\n".join(lines)
+        return "\n".join(lines + self.notes)
 
 
 @dataclass(frozen=True)
@@ -50,68 +76,240 @@ class CacheResult:
     pooled_dim: int
 
 
-def _entry_path(root: Path, kind: str, key: str) -> Path:
-    return root / kind / key[:2] / f"{key}.safetensors"
+@dataclass(frozen=True)
+class _Planned:
+    entry: ImageEntry
+    slot: int  # resolution index
+    bucket: Bucket
+    latent: dict  # key components
+    text: dict
 
 
-def _readable(path: Path) -> tuple[bool, str]:
-    if not path.exists():
-        return False, ""
-    try:
-        load_file(str(path))
-        return True, ""
-    except (SafetensorError, OSError, ValueError) as exc:
-        return False, f"unreadable cache file ({exc.__class__.__name__})"
+def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None) -> CacheResult:
+    """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
+    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress)
 
 
-def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path) -> CacheResult:
-    """Encode what is missing; return one :class:`CacheItem` per image and repeat, and a report."""
+def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
+               progress: Progress | None = None) -> CacheResult:
+    """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing."""
     start = time.monotonic()
-    root = Path(cache_dir)
-    report = CacheReport()
-    vae_id = encoders.vae_identity(vae)
-    text_id = encoders.text_encoder_identity(clip)
-    prep = {"resolution": dataset.resolution, "crop": "center", "resize": "lanczos"}
-    items: list[CacheItem] = []
-    shapes: tuple[int, int, int] = (0, 0, 0)
-    for entry in dataset.entries:
-        name = Path(entry.path).name
+    filler = _Filler(Path(cache_dir), dataset, encoders, progress)
+    try:
+        result = filler.run()
+    finally:
+        filler.close()
+    result.report.seconds = time.monotonic() - start
+    return result
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Filler:
+    def __init__(self, root: Path, dataset: DatasetSpec, encoders: Encoders, progress: Progress | None):
+        self.root = root
+        self.dataset = dataset
+        self.settings = dataset.bucket_settings
+        self.encoders = encoders
+        self.progress = progress
+        self.index = CacheIndex(root)
+        self.writer = ShardWriter(root / "shards", self.index.shard_end)
+        self.report = CacheReport()
+        self.damaged: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # key -> why encoding it failed
+
+    def close(self) -> None:
+        self.writer.close()
+        self.index.close()
+
+    # ---- phase 1: shards --------------------------------------------------------------------
+    def check_shards(self, entries: dict[str, Entry]) -> None:
+        """Checksum the records of every shard that changed since it was last known good."""
+        known = self.index.shard_states()
+        for shard in sorted({e.shard for e in entries.values()}):
+            path = self.root / "shards" / shard
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                self._damage(entries, {k for k, e in entries.items() if e.shard == shard}, f"shard {shard} is missing")
+                continue
+            if known.get(shard) == (st.st_size, st.st_mtime_ns):
+                continue
+            data = path.read_bytes()
+            bad = {k for k, e in self.index.entries_of_shard(shard).items()
+                   if checksum(data[e.offset:e.offset + e.length]) != e.checksum}
+            self._damage(entries, bad, f"checksum mismatch in shard {shard}")
+            self.index.put_shard_state(shard, st.st_size, st.st_mtime_ns)
+
+    def _damage(self, entries: dict[str, Entry], keys: set[str], reason: str) -> None:
+        if keys:
+            self.index.drop_entries(sorted(keys))
+            for k in keys:
+                entries.pop(k, None)
+                self.damaged[k] = f"damaged entry ({reason})"
+
+    # ---- phase 2: plan ----------------------------------------------------------------------
+    def source(self, entry: ImageEntry, known: dict[str, Source]) -> tuple[str, Probe]:
+        st = os.stat(entry.path)
+        old = known.get(entry.path)
+        if old and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns):
+            return old.digest, Probe(*json.loads(old.probe))
+        digest = _file_digest(entry.path)
+        if old and old.digest == digest:
+            probe = Probe(*json.loads(old.probe))
+        else:
+            probe = probe_video(entry.path) if entry.is_video else probe_image(entry.path)
+        self.index.put_source(entry.path, Source(st.st_size, st.st_mtime_ns, digest,
+                                                 json.dumps(dataclasses.astuple(probe))))
+        return digest, probe
+
+    def plan(self) -> list[_Planned]:
+        s = self.settings
+        plan = plan_buckets(s)
+        self.report.notes.extend(plan.notes)
+        vae_id, text_id = self.encoders.latent_identity(), self.encoders.text_identity()
+        known = self.index.sources()
+        out = []
+        for entry in self.dataset.entries:
+            name = Path(entry.path).name
+            try:
+                digest, probe = self.source(entry, known)
+            except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
+                self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
+                continue
+            text = text_components(entry.caption, text_id)
+            for i, res in enumerate(s.resolutions):
+                spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
+                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames) if entry.is_video else 1
+                bucket = Bucket(spatial.width, spatial.height, frames)
+                lost = crop_fraction(probe.width, probe.height, bucket)
+                if lost > CROP_NOTE_THRESHOLD:
+                    self.report.notes.append(f"{name}: {lost:.0%} of the picture is cropped away to fit bucket "
+                                             f"{bucket.name}; widen min/max ratio or add buckets to keep it.")
+                prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
+                        "resize": "lanczos", "fps": s.fps if entry.is_video else None}
+                out.append(_Planned(entry, i, bucket, latent_components(digest, prep, vae_id), text))
+        return out
+
+    # ---- phase 3: encode --------------------------------------------------------------------
+    def _encode(self, key: str, kind: str, planned: _Planned) -> None:
+        if kind == "latent":
+            b = planned.bucket
+            if planned.entry.is_video:
+                pixels = load_video(planned.entry.path, b, self.settings.fps)
+            else:
+                pixels = load_image(planned.entry.path, b)
+            tensors = {"latent": self.encoders.encode_latent(pixels)}
+        else:
+            tensors = self.encoders.encode_text(planned.entry.caption)
+        data = pack(tensors)
+        shard, offset = self.writer.append(data)
+        st = os.stat(self.root / "shards" / shard)
+        shapes = json.dumps({k: list(v.shape) for k, v in tensors.items()})
+        self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
+
+    def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, Entry],
+               slots: dict[str, tuple[str, dict]], deferred: dict[str, tuple[str, _Planned]]) -> None:
+        """Reuse, encode (when this process wins the claim) or defer ``key`` to whoever holds it."""
+        if key in entries:
+            self.report.reused[kind] += 1
+            return
+        if key in self.failed or key in deferred:
+            return
+        if not self.index.claim(key):
+            deferred[key] = (kind, planned)
+            return
         try:
-            data = Path(entry.path).read_bytes()
-            lat_path = _entry_path(root, "latents", latent_key(source_digest(data), prep, vae_id))
-            ok, why = _readable(lat_path)
-            if ok:
-                report.reused["latent"] += 1
+            if self.index.entry(key) is not None:  # finished by another process since we looked
+                self.report.by_other_process[kind] += 1
             else:
-                latent = encoders.encode_latent(vae, encoders.load_pixels(entry.path, dataset.resolution))[0]
-                atomic_save({"latent": latent}, lat_path, {"source": name})
-                report.encoded["latent"] += 1
-                if why:
-                    report.reencoded.append(f"{name} latent: {why}")
-            txt_path = _entry_path(root, "text", text_key(entry.caption, text_id))
-            ok, why = _readable(txt_path)
-            if ok:
-                report.reused["text"] += 1
-            else:
-                cond, pooled = encoders.encode_text(clip, entry.caption)
-                tensors = {"cond": cond[0]}
-                if pooled is not None:
-                    tensors["pooled"] = pooled[0]
-                atomic_save(tensors, txt_path, {"caption": entry.caption})
-                report.encoded["text"] += 1
-                if why:
-                    report.reencoded.append(f"{name} text: {why}")
-        except (OSError, ValueError, RuntimeError) as exc:  # one bad file never stops the cache
-            report.skipped.append(f"{name}: {type(exc).__name__}: {exc}")
-            continue
-        if not shapes[0]:
-            lat = load_file(str(lat_path))["latent"]
-            txt = load_file(str(txt_path))
-            shapes = (lat.shape[0], txt["cond"].shape[-1], txt["pooled"].shape[-1] if "pooled" in txt else 0)
-        items.extend([CacheItem(str(lat_path), str(txt_path), entry.path, entry.caption)] * dataset.repeats)
-    report.seconds = time.monotonic() - start
-    return CacheResult(tuple(items), report, *shapes)
+                self._encode(key, kind, planned)
+                self._count_encode(key, kind, planned, slots)
+            entries[key] = self.index.entry(key)
+        except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
+            self.failed[key] = f"cannot encode its {kind} ({type(exc).__name__}: {exc})"
+        finally:
+            self.index.release(key)
+
+    def _count_encode(self, key: str, kind: str, planned: _Planned, slots: dict[str, tuple[str, dict]]) -> None:
+        name = Path(planned.entry.path).name
+        old = slots.get(_slot(planned, kind))
+        if key in self.damaged:
+            why = self.damaged[key]
+        elif old is not None:
+            why = change_reason(old[1], planned.latent if kind == "latent" else planned.text)
+        else:
+            self.report.cached[kind] += 1
+            return
+        self.report.reencoded_kinds[kind] += 1
+        self.report.reencoded.append(f"{name} {kind}: {why}")
+
+    def wait_for_others(self, deferred: dict[str, tuple[str, _Planned]], entries: dict[str, Entry],
+                        slots: dict[str, tuple[str, dict]]) -> None:
+        """Keys another process was encoding: wait for them, or take them over if it died."""
+        while deferred:
+            for key in list(deferred):
+                kind, planned = deferred[key]
+                entry = self.index.entry(key)
+                if entry is not None:
+                    entries[key] = entry
+                    self.report.by_other_process[kind] += 1
+                    del deferred[key]
+                else:  # claim again: succeeds only if the holder died
+                    del deferred[key]
+                    self.ensure(key, kind, planned, entries, slots, deferred)
+            if deferred:
+                time.sleep(_POLL_S)
+
+    # ---- the whole run ----------------------------------------------------------------------
+    def run(self) -> CacheResult:
+        entries = self.index.entries()
+        self.check_shards(entries)
+        planned = self.plan()
+        slots = self.index.slots()
+        deferred: dict[str, tuple[str, _Planned]] = {}
+        for n, p in enumerate(planned):
+            self.ensure(key_of(p.latent), "latent", p, entries, slots, deferred)
+            self.ensure(key_of(p.text), "text", p, entries, slots, deferred)
+            if self.progress:
+                self.progress(n + 1, len(planned))
+        self.wait_for_others(deferred, entries, slots)
+        return self.collect(planned, entries, slots)
+
+    def collect(self, planned: list[_Planned], entries: dict[str, Entry],
+                slots: dict[str, tuple[str, dict]]) -> CacheResult:
+        items: list[CacheItem] = []
+        changed_slots = []
+        shapes = (0, 0, 0)
+        index_file = str(self.index.path)
+        skipped_files = set()
+        for p in planned:
+            lkey, tkey = key_of(p.latent), key_of(p.text)
+            why = self.failed.get(lkey) or self.failed.get(tkey)
+            if why or lkey not in entries or tkey not in entries:
+                if p.entry.path not in skipped_files:
+                    skipped_files.add(p.entry.path)
+                    self.report.skipped.append(f"{Path(p.entry.path).name}: {why or 'not cached'}")
+                continue
+            for kind, key, comps in (("latent", lkey, p.latent), ("text", tkey, p.text)):
+                if slots.get(_slot(p, kind), ("",))[0] != key:
+                    changed_slots.append((_slot(p, kind), key, comps))
+            if not shapes[0]:
+                lat, txt = json.loads(entries[lkey].shapes), json.loads(entries[tkey].shapes)
+                shapes = (lat["latent"][0], txt["cond"][-1], txt["pooled"][-1] if "pooled" in txt else 0)
+            self.report.buckets[p.bucket.name] += 1
+            item = CacheItem(index_file, index_file, p.entry.path, p.entry.caption,
+                             latent_key=lkey, text_key=tkey, bucket=p.bucket.name)
+            items.extend([item] * self.dataset.repeats)
+        self.index.put_slots(changed_slots)
+        return CacheResult(tuple(items), self.report, *shapes)
 
 
-def load_item_tensors(item: CacheItem) -> dict[str, torch.Tensor]:
-    return {**load_file(item.latent_file), **load_file(item.text_file)}
+def _slot(p: _Planned, kind: str) -> str:
+    return f"{p.entry.path}#{kind}{p.slot if kind == 'latent' else ''}"

@@ -1,0 +1,81 @@
+"""Reading sources into bucket-sized pixels: images with Pillow, videos with PyAV.
+
+Videos are resampled to a fixed frame rate by time, not by frame index, so a 30 fps and a 24 fps clip
+of the same motion give the same frames; a clip is cut to its frame bucket (1 or 4k+1 frames).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from .buckets import Bucket
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What bucketing needs to know about a source, kept in the index so revalidation skips the file."""
+
+    width: int
+    height: int
+    duration: float = 0.0  # seconds of video; 0 for images
+
+    def frames_at(self, fps: float) -> int:
+        """Frames available when sampling every ``1/fps`` seconds (1 for an image)."""
+        return max(1, int(math.floor(self.duration * fps + 1e-6)))
+
+
+def probe_image(path: str) -> Probe:
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img)
+        img.load()  # decode once: a truncated file fails here, not during encoding
+        return Probe(*img.size)
+
+
+def probe_video(path: str) -> Probe:
+    import av
+
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        times = [float(f.time) for f in container.decode(stream) if f.time is not None]
+        width, height = stream.codec_context.width, stream.codec_context.height
+    if not times:
+        raise ValueError("the video has no decodable frames")
+    step = 1.0 / float(stream.average_rate) if stream.average_rate else 0.0
+    duration = max(times) - min(times) + step
+    return Probe(width, height, duration)
+
+
+def _fit(img: Image.Image, bucket: Bucket) -> np.ndarray:
+    img = ImageOps.fit(img.convert("RGB"), (bucket.width, bucket.height), method=Image.Resampling.LANCZOS)
+    return np.asarray(img, dtype=np.float32) / 255.0
+
+
+def load_image(path: str, bucket: Bucket) -> torch.Tensor:
+    """RGB resized to cover the bucket and center-cropped: ``[1, H, W, 3]`` floats in [0, 1]."""
+    with Image.open(path) as img:
+        return torch.from_numpy(_fit(ImageOps.exif_transpose(img), bucket))[None]
+
+
+def load_video(path: str, bucket: Bucket, fps: float) -> torch.Tensor:
+    """``bucket.frames`` frames sampled every ``1/fps`` seconds from the start: ``[F, H, W, 3]``."""
+    import av
+
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        decoded = [(float(f.time), f.to_image()) for f in container.decode(stream) if f.time is not None]
+    if not decoded:
+        raise ValueError("the video has no decodable frames")
+    decoded.sort(key=lambda tf: tf[0])
+    start = decoded[0][0]
+    out, j = [], 0
+    for k in range(bucket.frames):
+        t = start + k / fps + 1e-6
+        while j + 1 < len(decoded) and decoded[j + 1][0] <= t:
+            j += 1
+        out.append(_fit(decoded[j][1], bucket))
+    return torch.from_numpy(np.stack(out))
