@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from ..dataset import BucketSettings, DatasetError
 
+RATIO_NOTE_TOLERANCE = 0.1  # report buckets whose rounded ratio is off by more than ~10 %
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -63,6 +65,10 @@ def plan_buckets(settings: BucketSettings) -> BucketPlan:
                              f"{found[dims]:.3f}; the buckets were merged (fewer buckets than requested).")
                 continue
             found[dims] = r
+            got = dims[0] / dims[1]
+            if abs(math.log(got / r)) > RATIO_NOTE_TOLERANCE:
+                notes.append(f"{res}px: ratio {r:.3f} rounds to {dims[0]}x{dims[1]} (ratio {got:.3f}) at multiples "
+                             f"of {settings.multiple}; raise the resolution for closer buckets.")
         by_res[res] = tuple(Bucket(w, h) for w, h in sorted(found))
     return BucketPlan(by_res, tuple(notes))
 

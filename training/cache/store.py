@@ -44,6 +44,7 @@ class CacheReport:
     skipped: list[str] = field(default_factory=list)  # "file: reason"
     notes: list[str] = field(default_factory=list)
     buckets: Counter = field(default_factory=Counter)  # bucket name -> items
+    rehashed: list[str] = field(default_factory=list)  # files whose size/mtime changed, hashed again
     seconds: float = 0.0
 
     @property
@@ -58,6 +59,8 @@ class CacheReport:
         lines = [f"cached {kinds(self.cached)}; reused {kinds(self.reused)}; "
                  f"re-encoded {kinds(self.reencoded_kinds)}; skipped {len(self.skipped)} files "
                  f"({self.seconds:.1f} s)"]
+        if self.rehashed:
+            lines.append(f"{len(self.rehashed)} files changed size or mtime and were hashed again")
         if self.by_other_process:
             lines.append(f"encoded meanwhile by another process: {kinds(self.by_other_process)}")
         if self.buckets:
@@ -161,6 +164,8 @@ class _Filler:
         if old and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns):
             return old.digest, Probe(*json.loads(old.probe))
         digest = _file_digest(entry.path)
+        if old:
+            self.report.rehashed.append(Path(entry.path).name)
         if old and old.digest == digest:
             probe = Probe(*json.loads(old.probe))
         else:
