@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ..training.events import read_all
 from ..training.pipelines.base import UnknownFamilyError, family_name_for
 from ..training.spec import PARTITION_METHODS, TIMESTEP_SAMPLING, TRAIN_DTYPES, RunSpec, SpecError, TrainSpec
-from . import paths, run_process
+from . import paths, preflight, run_process
 from .loss_plot import as_image_tensor, loss_curve
 from .model_source import recipe_of
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig
@@ -132,6 +132,7 @@ class PipeTrainerTrain(io.ComfyNode):
             if train.pipeline_stages > torch.cuda.device_count():
                 problems.append(f"pipeline_stages={train.pipeline_stages} needs that many GPUs; "
                                 f"{torch.cuda.device_count()} visible. Lower pipeline_stages.")
+        problems += preflight.train_problems(model, cache, lora, train, paths.runs_root())
         if problems:
             raise SpecError(problems)
         spec = RunSpec(

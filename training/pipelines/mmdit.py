@@ -103,5 +103,12 @@ class MMDiTAdapter:
             pooled = torch.zeros(noisy.shape[0], 0, dtype=noisy.dtype)
         return noisy, timestep, cond, pooled
 
+    def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
+        """``(context width, pooled width or 0)`` the embedders take, so preflight can catch a wrong text encoder."""
+        dm = diffusion_model
+        context = getattr(dm.context_embedder, "in_features", dm.hidden_size)  # Identity: context is hidden-wide
+        pooled = dm.y_embedder.mlp[0].in_features if dm.y_embedder is not None else 0
+        return int(context), int(pooled)
+
 
 ADAPTER = MMDiTAdapter()

@@ -1,0 +1,349 @@
+"""Preflight: every problem of a training setup, found before any process starts, in one message.
+
+Hours of training are lost to problems that were visible up front: a file that cannot be decoded, items
+the cache quietly dropped, latents from another family's VAE, text embeddings of the wrong width, a
+resolution the model cannot patch, a full disk, or DeepSpeed missing. Each check here is a small pure
+function over plain values that returns problem strings naming the item and the fix; :func:`train_problems`
+reads the facts from ComfyUI's objects and the cache files and runs them all. The Train node adds these
+to its own problems and raises them together, so a user fixes a graph in one go.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
+from ..training.spec import CacheItem, LoraSpec, TrainSpec
+
+MAX_NAMED = 20  # items named per problem; the rest are counted
+MIN_PATCHES_PER_SIDE = 4  # smaller latents leave the model (and a LoRA) next to nothing to learn from
+BYTES_PER_LORA_PARAM_PER_SAVE = 16  # fp32 weight + two AdamW moments in the checkpoint, + the LoRA file
+DISK_MARGIN_BYTES = 256 * 2**20  # logs, events, DeepSpeed's own files, and room for the OS
+
+MediaCheck = Callable[[str], "str | None"]
+
+
+def _named(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+# ---- dataset files -----------------------------------------------------------------------------
+def image_problem(path: str) -> str | None:
+    """Why Pillow cannot fully decode ``path``, or None (``load`` catches truncated files too)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def video_problem(path: str) -> str | None:
+    """Why PyAV cannot decode a first video frame of ``path``, or None."""
+    import av
+
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                return "no video stream"
+            for _ in container.decode(container.streams.video[0]):
+                return None
+            return "no decodable frame"
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def media_checks() -> dict[str, MediaCheck]:
+    """File suffix -> the check that decodes that kind of file."""
+    from ..training import dataset
+
+    images = {ext: image_problem for ext in dataset.IMAGE_EXTENSIONS}
+    videos = {ext: video_problem for ext in getattr(dataset, "VIDEO_EXTENSIONS", ())}
+    return {**images, **videos}
+
+
+def media_problems(paths: Iterable[str], checks: Mapping[str, MediaCheck] | None = None) -> list[str]:
+    """One problem naming every dataset file that is missing, of an unknown type, or does not decode."""
+    checks = media_checks() if checks is None else checks
+    bad = []
+    for path in paths:
+        name = Path(path).name
+        check = checks.get(Path(path).suffix.lower())
+        if not os.path.isfile(path):
+            bad.append(f"{name}: the file is gone")
+        elif check is None:
+            bad.append(f"{name}: not a supported type ({', '.join(sorted(checks))})")
+        elif (why := check(path)) is not None:
+            bad.append(f"{name}: {why}")
+    if not bad:
+        return []
+    return [f"{len(bad)} dataset file(s) cannot be read: {_named(bad)}. "
+            "Re-export or remove them, then run 'Cache Latents & Text' again."]
+
+
+def dropped_item_problems(dropped: Sequence[str]) -> list[str]:
+    """The items the cache left out (unreadable, or lost to bucket rounding), which would silently be missing."""
+    if not dropped:
+        return []
+    return [f"{len(dropped)} dataset item(s) were dropped while caching and would be missing from training: "
+            f"{_named(list(dropped))}. Fix or remove them (or change the bucket settings), then cache again."]
+
+
+def empty_dataset_problems(item_count: int) -> list[str]:
+    if item_count > 0:
+        return []
+    return ["The dataset is empty: nothing reached the cache. Add captioned images to the dataset folder "
+            "(or fix the captions / missing_caption policy), then cache again."]
+
+
+# ---- cached tensors against the model ----------------------------------------------------------
+@dataclass(frozen=True)
+class CachedShapes:
+    """Tensor shapes of the cached items, read from the cache index or file headers (no tensor is loaded)."""
+
+    latents: dict[str, tuple[int, ...]]  # entry -> [C, H, W] or [C, F, H, W]
+    conds: dict[str, tuple[int, ...]]  # entry -> [T, D]
+    pooled: dict[str, int]  # entry -> D (0: no pooled vector)
+    unreadable: tuple[str, ...]
+
+
+def _file_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Shapes in a plain safetensors cache file (items without keys)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def _index_shapes(index_file: str, keys: Sequence[str]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Shapes the cache index recorded for ``keys`` (see training/cache/index.py); absent keys are left out."""
+    import json
+    import sqlite3
+
+    from ..training.cache.index import connect
+
+    db = connect(Path(index_file), readonly=True)
+    try:
+        out = {}
+        for key in keys:
+            row = db.execute("SELECT shapes FROM entries WHERE key=?", (key,)).fetchone()
+            if row:
+                out[key] = {k: tuple(v) for k, v in json.loads(row[0]).items()}
+        return out
+    except sqlite3.Error:
+        return {}
+    finally:
+        db.close()
+
+
+def read_cached_shapes(items: Iterable[CacheItem]) -> CachedShapes:
+    """Shapes of every distinct cached entry; entries missing from the index or unreadable are named."""
+    refs: dict[str, tuple[str, str, str]] = {}  # entry id -> (container file, key or "", source name)
+    for item in dict.fromkeys(items):
+        for container, key in ((item.latent_file, getattr(item, "latent_key", "")),
+                               (item.text_file, getattr(item, "text_key", ""))):
+            refs.setdefault(f"{container}#{key}", (container, key, Path(item.source).name))
+    indexed: dict[str, dict[str, tuple[int, ...]]] = {}
+    for index_file in {c for c, k, _ in refs.values() if k}:
+        keys = sorted(k for c, k, _ in refs.values() if k and c == index_file)
+        if os.path.isfile(index_file):
+            indexed.update({f"{index_file}#{k}": v for k, v in _index_shapes(index_file, keys).items()})
+    latents, conds, pooled, unreadable = {}, {}, {}, []
+    for entry_id, (container, key, source) in refs.items():
+        if key:
+            shapes = indexed.get(entry_id)
+            if shapes is None:
+                unreadable.append(f"{source}: its entry is missing from {container}")
+                continue
+        else:
+            try:
+                shapes = _file_shapes(container)
+            except Exception as exc:  # safetensors raises its own error types for damaged headers
+                unreadable.append(f"{Path(container).name} ({source}): {type(exc).__name__}")
+                continue
+        if "latent" in shapes:
+            latents[entry_id] = shapes["latent"]
+        if "cond" in shapes:
+            conds[entry_id] = shapes["cond"]
+            pooled[entry_id] = shapes["pooled"][-1] if "pooled" in shapes else 0
+    return CachedShapes(latents, conds, pooled, tuple(unreadable))
+
+
+def unreadable_cache_problems(unreadable: Sequence[str]) -> list[str]:
+    if not unreadable:
+        return []
+    return [f"{len(unreadable)} cache file(s) are missing or damaged: {_named(list(unreadable))}. "
+            "Run 'Cache Latents & Text' again (it re-encodes them)."]
+
+
+def latent_channel_problems(channels: Mapping[str, int], model_channels: int, family: str) -> list[str]:
+    wrong = sorted({c for c in channels.values() if c != model_channels})
+    if not wrong:
+        return []
+    return [f"The cached latents have {'/'.join(map(str, wrong))} channels but the {family} model takes "
+            f"{model_channels}: the VAE given to 'Cache Latents & Text' belongs to another model family. "
+            "Use this model's VAE and cache again."]
+
+
+def latent_size_problems(sizes: Mapping[str, tuple[int, int]], patch_size: int, family: str,
+                         min_patches: int = MIN_PATCHES_PER_SIDE) -> list[str]:
+    """Latent sides must be whole multiples of the patch size and at least ``min_patches`` patches."""
+    odd = sorted({hw for hw in sizes.values() if hw[0] % patch_size or hw[1] % patch_size})
+    small = sorted({hw for hw in sizes.values() if min(hw) < min_patches * patch_size})
+    out = []
+    if odd:
+        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in odd)} are not multiples of the {family} "
+                   f"model's patch size {patch_size}, so the model would pad them: choose a resolution (and bucket "
+                   f"multiple) divisible by {patch_size} x the VAE's downscale (e.g. {patch_size * 8} px for an 8x VAE).")
+    if small:
+        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in small)} are too small: the {family} model "
+                   f"needs at least {min_patches * patch_size} latent pixels per side "
+                   f"(e.g. {min_patches * patch_size * 8} px for an 8x VAE). Raise the resolution.")
+    return out
+
+
+def text_dim_problems(cond_dims: Mapping[str, int], pooled_dims: Mapping[str, int], context_dim: int,
+                      pooled_dim: int, family: str) -> list[str]:
+    """Text embeddings must have the width of the model's context input (and pooled vector, if it takes one)."""
+    out = []
+    wrong = sorted({d for d in cond_dims.values() if d != context_dim})
+    if wrong:
+        out.append(f"The cached text embeddings are {'/'.join(map(str, wrong))} wide but the {family} model's context "
+                   f"input takes {context_dim}: the CLIP / text encoder given to 'Cache Latents & Text' belongs to "
+                   "another model family. Load this model's text encoder(s) and cache again.")
+    wrong_pooled = sorted({d for d in pooled_dims.values() if d != pooled_dim})
+    if pooled_dim and wrong_pooled:
+        got = "/".join("none" if d == 0 else str(d) for d in wrong_pooled)
+        out.append(f"The cached pooled text vectors are {got} wide but the {family} model takes {pooled_dim}: "
+                   "use the text encoder(s) of this model family (e.g. CLIP-L/G for SD3) and cache again.")
+    return out
+
+
+@runtime_checkable
+class DescribesConditioning(Protocol):
+    """A family adapter that can say which text widths its model takes (preflight uses it when present)."""
+
+    def conditioning_dims(self, diffusion_model) -> tuple[int, int]:
+        """``(context width, pooled width or 0)``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    family: str
+    latent_channels: int
+    patch_size: int
+    context_dim: int  # 0: unknown (the family does not describe its conditioning)
+    pooled_dim: int
+
+
+def model_inputs(model) -> ModelInputs | None:
+    """What the ComfyUI MODEL takes, or None when its family is not trainable (reported elsewhere)."""
+    base = model.model
+    try:
+        family = family_name_for(base)
+        adapter = adapter_for(family)
+    except (UnknownFamilyError, ImportError):
+        return None
+    dm = base.diffusion_model
+    patch = getattr(dm, "patch_size", 1)
+    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+    context, pooled = adapter.conditioning_dims(dm) if isinstance(adapter, DescribesConditioning) else (0, 0)
+    channels = int(getattr(base.latent_format, "latent_channels", 0) or getattr(dm, "in_channels", 0))
+    return ModelInputs(family, channels, patch, int(context), int(pooled))
+
+
+def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[str]:
+    spatial = {p: (s[-2], s[-1]) for p, s in shapes.latents.items() if len(s) >= 3}
+    out = latent_channel_problems({p: s[0] for p, s in shapes.latents.items()}, inputs.latent_channels, inputs.family)
+    out += latent_size_problems(spatial, inputs.patch_size, inputs.family)
+    if inputs.context_dim:
+        out += text_dim_problems({p: s[-1] for p, s in shapes.conds.items()}, shapes.pooled, inputs.context_dim,
+                                 inputs.pooled_dim, inputs.family)
+    return out
+
+
+# ---- environment -------------------------------------------------------------------------------
+def deepspeed_problems(installed: bool, platform: str) -> list[str]:
+    if installed:
+        return []
+    hint = ("DeepSpeed's pipeline engine does not run on native Windows: run ComfyUI under WSL2 or Linux, then "
+            if platform.startswith("win") else "")
+    return [f"DeepSpeed is not installed in ComfyUI's Python: {hint}run "
+            f"'{Path(sys.executable).name} -m pip install -r custom_nodes/ComfyUI-PipeTrainer/requirements.txt' "
+            "(or 'pip install deepspeed') and restart ComfyUI."]
+
+
+def lora_parameter_count(model, lora: LoraSpec) -> int:
+    """LoRA parameters the run will train: ``rank * (in + out)`` for every targeted Linear."""
+    import torch
+
+    inputs = model_inputs(model)
+    if inputs is None:
+        return 0
+    adapter = adapter_for(inputs.family)
+    regex = adapter.lora_target_regex(lora.targets)
+    total = 0
+    for layer in adapter.stage_layers(model.model.diffusion_model):
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear) and re.fullmatch(regex, name):
+                total += lora.rank * (module.in_features + module.out_features)
+    return total
+
+
+def run_disk_bytes(lora_params: int, train: TrainSpec) -> int:
+    """Bytes a run writes: one checkpoint + LoRA file per save (all are kept), plus a margin."""
+    saves = 1 + (max(0, train.steps - 1) // train.save_every if train.save_every else 0)
+    return saves * lora_params * BYTES_PER_LORA_PARAM_PER_SAVE + DISK_MARGIN_BYTES
+
+
+def cache_disk_bytes(item_count: int, latent_elements: int, text_elements: int, bytes_per_element: int = 4) -> int:
+    """Bytes a cache of ``item_count`` items needs (latent + text embedding per item, fp32), plus a margin."""
+    return item_count * (latent_elements + text_elements) * bytes_per_element + DISK_MARGIN_BYTES
+
+
+def free_bytes(folder: str) -> int:
+    """Free space of the file system that holds ``folder`` (or its nearest existing parent)."""
+    path = Path(folder).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_problems(folder: str, needed: int, free: int, what: str, fix: str) -> list[str]:
+    if free >= needed:
+        return []
+    gib = 2**30
+    return [f"Not enough free disk for {what} in {folder}: about {needed / gib:.2f} GiB needed, "
+            f"{free / gib:.2f} GiB free. Free some space{fix}."]
+
+
+# ---- all of it --------------------------------------------------------------------------------
+def train_problems(model, cache, lora: LoraSpec, train: TrainSpec, runs_root: str) -> list[str]:
+    """Every problem the Train node can see before launching, in a stable order."""
+    items = tuple(getattr(cache, "items", ()))
+    report = getattr(cache, "report", None)
+    problems = deepspeed_problems(importlib.util.find_spec("deepspeed") is not None, sys.platform)
+    problems += empty_dataset_problems(len(items))
+    problems += dropped_item_problems(tuple(getattr(report, "skipped", ())))
+    problems += media_problems(dict.fromkeys(item.source for item in items))
+    shapes = read_cached_shapes(items)
+    problems += unreadable_cache_problems(shapes.unreadable)
+    inputs = model_inputs(model)
+    if inputs is not None:
+        problems += cache_vs_model_problems(shapes, inputs)
+        needed = run_disk_bytes(lora_parameter_count(model, lora), train)
+        problems += disk_problems(runs_root, needed, free_bytes(runs_root), "checkpoints and LoRA files",
+                                  ", or save less often (save_every)")
+    return problems

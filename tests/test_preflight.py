@@ -1,0 +1,323 @@
+"""Preflight: every bad input a user can give is refused before any process starts, with what to do.
+
+The table below runs each bad input through the real entry point that meets it (the Dataset scan, or
+the Train node's ``build_spec`` with the real tiny MMDiT loaded by our loader node, real cache files and
+real image/video files) and checks the message names the item and the fix. Nothing here trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from pipetrainer.training.dataset import DatasetError, scan_dataset
+from pipetrainer.training.spec import CacheItem, LoraSpec, OptimizerSpec, RunSpec, SpecError, TrainSpec
+from safetensors.torch import save_file
+
+GOOD_SETTINGS = dict(steps=10, batch_size=1, gradient_accumulation=1, seed=0, timestep_sampling="shift",
+                     save_every=0, training_dtype="fp32", gradient_checkpointing=True, pipeline_stages=1,
+                     partition_method="parameters")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(fixture_paths):
+    """The tiny SD3-family MMDiT as the user gets it: through 'Load Diffusion Model (train)'."""
+    from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
+
+    return PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, "default").result[0]
+
+
+@pytest.fixture(scope="module")
+def sd15_model(comfy_root):
+    """A real (tiny) ComfyUI SD1.5-family model: a family PipeTrainer cannot train."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet = {"use_checkpoint": False, "image_size": 32, "use_spatial_transformer": True, "legacy": False,
+            "adm_in_channels": None, "in_channels": 4, "out_channels": 4, "model_channels": 32,
+            "num_res_blocks": [1], "transformer_depth": [1], "channel_mult": [1], "transformer_depth_middle": 1,
+            "transformer_depth_output": [1, 1], "use_linear_in_transformer": False, "context_dim": 768,
+            "num_heads": 2, "num_head_channels": -1}
+    base = comfy.supported_models.SD15(unet).get_model({})
+    return comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
+
+
+@dataclass
+class Setup:
+    """One Train node call; each case changes a part of a good one."""
+
+    model: object
+    cache: object
+    tmp: Path
+    demo_image: Path
+    lora_name: str = "preflight_test"
+    settings: dict = dataclasses.field(default_factory=lambda: dict(GOOD_SETTINGS))
+
+    def build(self) -> RunSpec:
+        from pipetrainer.nodes.train import PipeTrainerTrain
+
+        return PipeTrainerTrain.build_spec(self.model, self.cache, LoraSpec(rank=4, alpha=4.0), OptimizerSpec(),
+                                           self.lora_name, **self.settings)
+
+    def item(self, name: str, latent=(16, 8, 8), cond=(77, 768), pooled: int | None = 768,
+             source: Path | None = None) -> CacheItem:
+        """A real cache entry pair written with safetensors, shaped as given."""
+        lat, txt = self.tmp / f"{name}.latent.safetensors", self.tmp / f"{name}.text.safetensors"
+        save_file({"latent": torch.zeros(latent)}, str(lat))
+        text = {"cond": torch.zeros(cond)}
+        if pooled:
+            text["pooled"] = torch.zeros(pooled)
+        save_file(text, str(txt))
+        if source is None:
+            source = self.tmp / f"{name}.png"
+            shutil.copy(self.demo_image, source)
+        return CacheItem(str(lat), str(txt), str(source), "a caption")
+
+    def with_items(self, *items: CacheItem, skipped: tuple[str, ...] = ()) -> Setup:
+        report = dataclasses.replace(self.cache.report, skipped=list(skipped))
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, items=tuple(items), report=report))
+
+
+@pytest.fixture
+def setup(tiny_model, demo_cache, fixture_paths, tmp_path) -> Setup:
+    demo_image = sorted(Path(fixture_paths.dataset).glob("*.png"))[0]
+    return Setup(tiny_model, demo_cache, tmp_path, demo_image)
+
+
+def _error(call: Callable[[], object], kind: type[Exception] = SpecError) -> str:
+    with pytest.raises(kind) as info:
+        call()
+    return str(info.value)
+
+
+def _dataset(tmp: Path, files: dict[str, bytes | str]) -> Path:
+    folder = tmp / "ds"
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return folder
+
+
+def _png(setup: Setup) -> bytes:
+    return setup.demo_image.read_bytes()
+
+
+# ---- the bad-input table: kind -> how it is produced -> the message fragment ------------------
+def _empty_folder(s: Setup) -> str:
+    return _error(lambda: scan_dataset(_dataset(s.tmp, {}), 64), DatasetError)
+
+
+def _missing_caption(s: Setup) -> str:
+    folder = _dataset(s.tmp, {"a.png": _png(s), "a.txt": "x", "nocap.png": _png(s)})
+    return _error(lambda: scan_dataset(folder, 64), DatasetError)
+
+
+def _empty_caption(s: Setup) -> str:
+    folder = _dataset(s.tmp, {"blank.png": _png(s), "blank.txt": "  \n"})
+    return _error(lambda: scan_dataset(folder, 64), DatasetError)
+
+
+def _nothing_cached(s: Setup) -> str:
+    return _error(s.with_items().build)
+
+
+def _corrupt_image(s: Setup) -> str:
+    bad = s.tmp / "garbage.png"
+    bad.write_bytes(b"this is not a png")
+    return _error(s.with_items(s.item("ok"), s.item("garbage", source=bad)).build)
+
+
+def _truncated_image(s: Setup) -> str:
+    cut = s.tmp / "truncated.png"
+    data = _png(s)
+    cut.write_bytes(data[: len(data) // 2])
+    return _error(s.with_items(s.item("truncated", source=cut)).build)
+
+
+def _corrupt_video(s: Setup) -> str:
+    bad = s.tmp / "clip.mp4"
+    bad.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x13" * 4000)
+    return _error(s.with_items(s.item("clip", latent=(16, 5, 8, 8), source=bad)).build)
+
+
+def _source_deleted(s: Setup) -> str:
+    item = s.item("gone")
+    Path(item.source).unlink()
+    return _error(s.with_items(item).build)
+
+
+def _dropped_by_cache(s: Setup) -> str:
+    return _error(s.with_items(s.item("kept"), skipped=("tiny.png: smaller than every bucket",)).build)
+
+
+def _damaged_cache_file(s: Setup) -> str:
+    item = s.item("damaged")
+    Path(item.latent_file).write_bytes(b"\x07" * 64)
+    return _error(s.with_items(item).build)
+
+
+def _entry_missing_from_index(s: Setup) -> str:
+    real = s.cache.items[0]
+    return _error(s.with_items(dataclasses.replace(real, latent_key="f" * 64)).build)
+
+
+def _wrong_vae(s: Setup) -> str:
+    return _error(s.with_items(s.item("sd15latent", latent=(4, 8, 8))).build)
+
+
+def _wrong_text_encoder(s: Setup) -> str:
+    return _error(s.with_items(s.item("t5", cond=(77, 1024))).build)
+
+
+def _no_pooled(s: Setup) -> str:
+    return _error(s.with_items(s.item("nopool", pooled=None)).build)
+
+
+def _not_patch_multiple(s: Setup) -> str:
+    return _error(s.with_items(s.item("odd", latent=(16, 9, 9))).build)
+
+
+def _too_small(s: Setup) -> str:
+    return _error(s.with_items(s.item("small", latent=(16, 4, 4))).build)
+
+
+def _unsupported_family(s: Setup, sd15_model) -> str:
+    return _error(dataclasses.replace(s, model=sd15_model).build)
+
+
+def _model_without_recipe(s: Setup, fixture_paths) -> str:
+    import comfy.sd
+
+    plain = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
+    return _error(dataclasses.replace(s, model=plain).build)
+
+
+def _lora_name(name: str) -> Callable[[Setup], str]:
+    return lambda s: _error(dataclasses.replace(s, lora_name=name).build)
+
+
+def _too_many_stages(s: Setup) -> str:
+    return _error(dataclasses.replace(s, settings={**s.settings, "pipeline_stages": 64}).build)
+
+
+def _deepspeed_missing(s: Setup) -> str:
+    from pipetrainer.nodes.preflight import deepspeed_problems
+
+    return "\n".join(deepspeed_problems(installed=False, platform="win32"))
+
+
+def _disk_full(s: Setup) -> str:
+    from pipetrainer.nodes.preflight import disk_problems, lora_parameter_count, run_disk_bytes
+
+    train = TrainSpec(steps=1000, save_every=10)
+    needed = run_disk_bytes(lora_parameter_count(s.model, LoraSpec(rank=4)), train)
+    return "\n".join(disk_problems(str(s.tmp), needed, needed - 1, "checkpoints and LoRA files", ""))
+
+
+BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
+    ("empty dataset folder", _empty_folder, ("has no images or videos", "add them with .txt captions")),
+    ("missing caption", _missing_caption, ("nocap.png", "Add a same-name .txt file")),
+    ("empty caption", _empty_caption, ("blank.png", "or an empty one")),
+    ("nothing reached the cache", _nothing_cached, ("The dataset is empty",)),
+    ("corrupt image", _corrupt_image, ("garbage.png: UnidentifiedImageError", "Re-export or remove them")),
+    ("truncated image", _truncated_image, ("truncated.png:", "cannot be read")),
+    ("corrupt video", _corrupt_video, ("clip.mp4:", "cannot be read")),
+    ("dataset file deleted after caching", _source_deleted, ("gone.png: the file is gone",)),
+    ("items dropped while caching", _dropped_by_cache, ("tiny.png: smaller than every bucket", "dropped while caching")),
+    ("damaged cache file", _damaged_cache_file, ("damaged.latent.safetensors", "Run 'Cache Latents & Text' again")),
+    ("cache entry missing from the index", _entry_missing_from_index, ("demo_00.png: its entry is missing from",
+                                                                     "Run 'Cache Latents & Text' again")),
+    ("VAE of another family", _wrong_vae, ("latents have 4 channels but the SD3 model takes 16", "Use this model's VAE")),
+    ("text encoder of another family", _wrong_text_encoder, ("1024 wide but the SD3 model's context input takes 768",)),
+    ("pooled vector missing", _no_pooled, ("pooled text vectors are none wide but the SD3 model takes 768",)),
+    ("resolution not a patch multiple", _not_patch_multiple, ("9x9 are not multiples of the SD3 model's patch size 2",
+                                                              "16 px for an 8x VAE")),
+    ("resolution too small", _too_small, ("4x4 are too small", "Raise the resolution")),
+    ("unsupported model family", _unsupported_family, ("cannot train BaseModel", "Supported model families: Flux, SD3")),
+    ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (train)'",)),
+    ("LoRA name with a folder", _lora_name("sub/my_lora"), ("must be a plain file name",)),
+    ("LoRA name with '..'", _lora_name("..\\evil"), ("must be a plain file name",)),
+    ("absolute LoRA path", _lora_name("/tmp/evil"), ("must be a plain file name",)),
+    ("reserved LoRA name", _lora_name("con.safetensors"), ("reserved device name",)),
+    ("empty LoRA name", _lora_name("  "), ("lora_name is empty",)),
+    ("more stages than devices", _too_many_stages, ("pipeline_stages=64 is more than this machine can run",)),
+    ("DeepSpeed missing (native Windows)", _deepspeed_missing, ("DeepSpeed is not installed", "WSL2", "pip install")),
+    ("not enough disk", _disk_full, ("Not enough free disk for checkpoints and LoRA files", "GiB free")),
+]
+
+
+@pytest.mark.parametrize("kind, produce, fragments", BAD_INPUTS, ids=[k for k, _, _ in BAD_INPUTS])
+def test_bad_input_is_refused_with_what_to_do(kind, produce, fragments, setup, request):
+    extra = {name: request.getfixturevalue(name) for name in produce.__code__.co_varnames[1:produce.__code__.co_argcount]}
+    message = produce(setup, **extra)
+    for fragment in fragments:
+        assert fragment in message, f"{kind}: {fragment!r} not in:\n{message}"
+
+
+def test_the_table_covers_at_least_fifteen_kinds():
+    assert len({kind for kind, _, _ in BAD_INPUTS}) >= 15
+
+
+def test_a_good_setup_passes(setup):
+    spec = setup.build()
+    assert isinstance(spec, RunSpec) and spec.items == setup.cache.items
+
+
+def test_every_problem_is_reported_at_once(setup):
+    bad = setup.tmp / "garbage.png"
+    bad.write_bytes(b"nope")
+    s = setup.with_items(setup.item("sd15latent", latent=(4, 9, 9), cond=(77, 1024), source=bad),
+                         skipped=("lost.png: unreadable",))
+    s = dataclasses.replace(s, lora_name="../up", settings={**s.settings, "pipeline_stages": 64})
+    message = _error(s.build)
+    for fragment in ("plain file name", "pipeline_stages=64", "lost.png", "garbage.png", "4 channels",
+                     "patch size 2", "1024 wide"):
+        assert fragment in message, (fragment, message)
+    assert message.count("\n- ") >= 7
+
+
+def test_real_images_and_videos_pass_the_media_check(setup):
+    import av
+    import numpy as np
+    from pipetrainer.nodes.preflight import media_problems
+
+    video = setup.tmp / "ok.mp4"
+    with av.open(str(video), "w") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(4):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i, dtype=np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    assert media_problems([str(setup.demo_image), str(video)]) == []
+    text = setup.tmp / "notes.txt"
+    text.write_text("x")
+    assert "not a supported type" in media_problems([str(text)])[0]
+
+
+def test_disk_estimates_grow_with_saves_and_items(setup):
+    from pipetrainer.nodes.preflight import cache_disk_bytes, free_bytes, lora_parameter_count, run_disk_bytes
+
+    params = lora_parameter_count(setup.model, LoraSpec(rank=4, targets="attention"))
+    wider = lora_parameter_count(setup.model, LoraSpec(rank=8, targets="all_linear"))
+    assert 0 < params < wider
+    once, often = run_disk_bytes(params, TrainSpec(steps=100)), run_disk_bytes(params, TrainSpec(steps=100, save_every=10))
+    assert often - once == 9 * params * 16  # nine intermediate saves, each a checkpoint + a LoRA file
+    assert cache_disk_bytes(1000, 16 * 64 * 64, 77 * 768) > cache_disk_bytes(10, 16 * 64 * 64, 77 * 768)
+    assert free_bytes(str(setup.tmp / "not" / "yet" / "made")) > 0
+
+
+def test_preflight_never_imports_the_trainer_libraries():
+    import subprocess
+
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path.insert(0, {here!r}); import conftest; import pipetrainer.nodes.preflight; "
+            "bad = [m for m in ('deepspeed', 'peft') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
