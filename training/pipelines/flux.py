@@ -1,0 +1,197 @@
+"""Flux (``comfy.ldm.flux.model.Flux``: Flux.1 dev/schnell and fine-tunes) as pipeline stage layers.
+
+Stage tuples (``B`` batch, ``T`` text tokens, ``N`` image tokens):
+
+- embed: ``(x, timestep, context, y, guidance)`` -> ``(img, txt, vec, ids, hw)``
+- each double block and each single block but the last one: the same tuple in and out
+- the last block drops what the final layer does not use: ``(img, vec, hw)``
+- final: ``(img, vec, hw)`` -> the prediction, shaped like ``x``
+
+``img`` comes from ComfyUI's own patchify (``Flux.process_img``). ``ids`` are the rotary positions
+of the text then image tokens as int64 ``[B, T+N, axes]``: the rotary embedding ``pe`` has no
+gradient, so it may not cross a stage boundary as a float tensor; each block recomputes it from the
+ids with the model's parameter-free ``pe_embedder`` (ComfyUI casts positions to fp32 itself, so
+integer ids give exactly the ``pe`` of ComfyUI's forward). ``hw`` is the latent height and width
+(int64) for cropping the output exactly like ``Flux._forward``. Single blocks take ``img`` and
+``txt`` separately and concatenate them as ComfyUI does between the two block kinds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import StageLayer
+from .out_of_place import OutOfPlaceResidualAdds
+
+# The guidance strength ComfyUI gives guidance-distilled Flux models when the graph sets none
+# (comfy.model_base.Flux.extra_conds); training with it matches how the LoRA will be sampled.
+DEFAULT_GUIDANCE = 3.5
+
+_ATTENTION = r"(img|txt)_attn\.(qkv|proj)|linear[12]"
+_MLP = r"(img|txt)_mlp\.[02]"
+_MODULATION = r"((img|txt)_mod|modulation)\.lin"
+_TARGETS = {
+    "attention": _ATTENTION,
+    "attention_mlp": rf"{_ATTENTION}|{_MLP}",
+    "all_linear": rf"{_ATTENTION}|{_MLP}|{_MODULATION}",
+}
+
+
+def _check_supported(dm: nn.Module) -> None:
+    """Refuse Flux relatives whose data flow differs from Flux.1 (they need their own adapter)."""
+    from comfy.ldm.flux.model import Flux
+
+    if not isinstance(dm, Flux):
+        raise NotImplementedError(
+            f"{type(dm).__name__} is a Flux relative that PipeTrainer cannot train yet; Flux.1 models "
+            "(dev, schnell and their fine-tunes) are supported."
+        )
+    if dm.params.global_modulation or len(dm.params.axes_dim) != 3:
+        raise NotImplementedError(
+            "Flux.2-style models (shared modulation, 4 rotary axes) are not supported yet; "
+            "Flux.1 models (dev, schnell and their fine-tunes) are."
+        )
+    if not hasattr(dm, "final_layer"):
+        raise NotImplementedError("This Flux model has no final layer (a feature extractor); it cannot be trained.")
+
+
+class FluxEmbed(StageLayer):
+    """Patchify the latent and embed image, text, timestep, guidance and pooled vector."""
+
+    def __init__(self, dm: nn.Module):
+        super().__init__()
+        self.adopt("img_in", dm.img_in, "img_in")
+        self.adopt("time_in", dm.time_in, "time_in")
+        self.adopt("txt_in", dm.txt_in, "txt_in")
+        if dm.params.guidance_embed:
+            self.adopt("guidance_in", dm.guidance_in, "guidance_in")
+        else:
+            self.guidance_in = None
+        if dm.vector_in is not None:
+            self.adopt("vector_in", dm.vector_in, "vector_in")
+        else:
+            self.vector_in = None
+        # Attributes read by ComfyUI's own Flux.process_img, which is reused below.
+        self.params = dm.params
+        self.patch_size = dm.patch_size
+        self._process_img = type(dm).process_img
+
+    def forward(self, inputs):
+        from comfy.ldm.flux.layers import timestep_embedding
+
+        x, timestep, context, y, guidance = inputs
+        batch, _, h, w = x.shape
+        img, img_ids = self._process_img(self, x, transformer_options={})
+        txt_ids = torch.zeros(batch, context.shape[1], img_ids.shape[-1], device=x.device, dtype=img_ids.dtype)
+        ids = torch.cat((txt_ids, img_ids), dim=1)
+        positions = ids.round().to(torch.int64)
+        if not torch.equal(positions.to(ids.dtype), ids):
+            raise ValueError("Flux token positions are not whole numbers; rotary scaling is not supported in training.")
+
+        img = self.img_in(img)
+        vec = self.time_in(timestep_embedding(timestep, 256).to(img.dtype))
+        if self.guidance_in is not None:
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(img.dtype))
+        if self.vector_in is not None:
+            if y.shape[-1] == 0:  # no pooled embedding in the cache: ComfyUI uses zeros
+                y = torch.zeros(batch, self.params.vec_in_dim, device=img.device, dtype=img.dtype)
+            vec = vec + self.vector_in(y[:, : self.params.vec_in_dim])
+        txt = self.txt_in(context)
+        hw = torch.tensor([h, w], dtype=torch.int64, device=x.device)
+        return img, txt, vec, positions, hw
+
+
+class FluxDoubleBlock(StageLayer):
+    """One double-stream block (separate image and text weights, joint attention)."""
+
+    def __init__(self, dm: nn.Module, index: int, last: bool):
+        super().__init__()
+        self.adopt("block", dm.double_blocks[index], f"double_blocks.{index}")
+        self.pe_embedder = dm.pe_embedder
+        self.last = last
+
+    def forward(self, inputs):
+        img, txt, vec, ids, hw = inputs
+        pe = self.pe_embedder(ids)
+        with OutOfPlaceResidualAdds(img, txt):
+            img, txt = self.block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=None, transformer_options={})
+        if self.last:
+            return img, vec, hw
+        return img, txt, vec, ids, hw
+
+
+class FluxSingleBlock(StageLayer):
+    """One single-stream block over the text tokens followed by the image tokens."""
+
+    def __init__(self, dm: nn.Module, index: int, last: bool):
+        super().__init__()
+        self.adopt("block", dm.single_blocks[index], f"single_blocks.{index}")
+        self.pe_embedder = dm.pe_embedder
+        self.last = last
+
+    def forward(self, inputs):
+        img, txt, vec, ids, hw = inputs
+        text_len = txt.shape[1]
+        x = torch.cat((txt, img), dim=1)
+        pe = self.pe_embedder(ids)
+        with OutOfPlaceResidualAdds(x):
+            x = self.block(x, vec=vec, pe=pe, attn_mask=None, transformer_options={})
+        img = x[:, text_len:]
+        if self.last:
+            return img, vec, hw
+        return img, x[:, :text_len], vec, ids, hw
+
+
+class FluxFinal(StageLayer):
+    """Final modulated projection, then un-patchify and crop to the input latent size."""
+
+    def __init__(self, dm: nn.Module):
+        super().__init__()
+        self.adopt("final_layer", dm.final_layer, "final_layer")
+        self.patch_size = dm.patch_size
+
+    def forward(self, inputs):
+        img, vec, hw = inputs
+        out = self.final_layer(img, vec)
+        h, w = int(hw[0]), int(hw[1])
+        p = self.patch_size
+        gh, gw = (h + p // 2) // p, (w + p // 2) // p
+        batch, _, features = out.shape
+        channels = features // (p * p)
+        out = out.reshape(batch, gh, gw, channels, p, p).permute(0, 3, 1, 4, 2, 5)
+        return out.reshape(batch, channels, gh * p, gw * p)[:, :, :h, :w]
+
+
+class FluxAdapter:
+    name = "Flux"
+
+    def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
+        dm = diffusion_model
+        _check_supported(dm)
+        n_double, n_single = len(dm.double_blocks), len(dm.single_blocks)
+        if n_double + n_single == 0:
+            raise ValueError("This Flux model has no transformer blocks; nothing to train.")
+        total = n_double + n_single
+        doubles = [FluxDoubleBlock(dm, i, last=i == total - 1) for i in range(n_double)]
+        singles = [FluxSingleBlock(dm, i, last=n_double + i == total - 1) for i in range(n_single)]
+        return [FluxEmbed(dm), *doubles, *singles, FluxFinal(dm)]
+
+    def lora_target_regex(self, preset: str) -> str:
+        return rf"(.*\.)?block\.({_TARGETS[preset]})"
+
+    def first_stage_inputs(self, noisy, timestep, cond, pooled):
+        batch = noisy.shape[0]
+        if pooled is None:
+            pooled = torch.zeros(batch, 0, dtype=noisy.dtype)
+        # ComfyUI hands extra conds such as guidance to the model in the compute dtype.
+        guidance = torch.full((batch,), DEFAULT_GUIDANCE, dtype=noisy.dtype)
+        return noisy, timestep, cond, pooled, guidance
+
+    def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
+        """``(context width, pooled width or 0)``: T5-XXL 4096 and CLIP-L 768 for Flux.1 dev/schnell."""
+        params = diffusion_model.params
+        return int(params.context_in_dim), int(params.vec_in_dim or 0)
+
+
+ADAPTER = FluxAdapter()
