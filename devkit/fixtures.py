@@ -100,6 +100,10 @@ def build_tiny_taesd16(path: Path, seed: int = 999) -> Path:
                 torch.nn.init.kaiming_uniform_(p, a=5**0.5)
             elif name.endswith("bias"):
                 p.zero_()
+        # Random convolutions shrink activations to ~1e-2; a real VAE gives latents of order one. Set
+        # TAESD's own latent scale so these latents are unit-sized too, or there is nothing to learn.
+        probe = torch.rand(4, 3, 64, 64, generator=_seeded(seed))
+        model.vae_scale.fill_(model.taesd_encoder(probe).std())
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
