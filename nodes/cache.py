@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import comfy.utils
 import folder_paths
 from comfy_api.latest import io, ui
 
@@ -23,8 +24,9 @@ class PipeTrainerCache(io.ComfyNode):
             display_name="Cache Latents & Text",
             category=CATEGORY,
             is_output_node=True,
-            description="Encodes images to latents and captions to text embeddings, keyed by content and "
-                        "encoder identity, so a changed file, caption or encoder can never reuse stale data.",
+            description="Encodes images/videos to latents and captions to text embeddings, keyed by content, "
+                        "preprocessing and encoder identity, so a changed file, caption, bucket or encoder can "
+                        "never reuse stale data. Reports cached / reused / re-encoded (why) / skipped (why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
                 io.Vae.Input("vae", tooltip="The VAE of the model family you train."),
@@ -36,7 +38,12 @@ class PipeTrainerCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae, clip) -> io.NodeOutput:
-        result = build_cache(dataset, vae, clip, cache_root())
+        bar = comfy.utils.ProgressBar(1)
+
+        def progress(done: int, total: int) -> None:
+            bar.update_absolute(done, total)
+
+        result = build_cache(dataset, vae, clip, cache_root(), progress)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

@@ -1,4 +1,4 @@
-"""``Dataset``: a folder of images with same-name .txt captions."""
+"""``Dataset``: a folder of images and videos with same-name .txt captions, plus bucket settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.dataset import CAPTION_POLICIES, DatasetError, scan_dataset
+from ..training.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, scan_dataset
 from .types import CATEGORY, Dataset
 
 
@@ -15,6 +15,19 @@ def resolve_folder(folder: str) -> str:
     """Absolute paths as given; relative ones inside ComfyUI's input folder."""
     folder = folder.strip()
     return folder if os.path.isabs(folder) else os.path.join(folder_paths.get_input_directory(), folder)
+
+
+def parse_resolutions(resolution: int, extra: str) -> tuple[int, ...]:
+    """``resolution`` first, then the comma-separated extra ones (duplicates dropped)."""
+    values = [resolution]
+    for part in extra.replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise DatasetError(f"extra_resolutions must be whole numbers separated by commas (got {part!r}).")
+        values.append(int(part))
+    return tuple(dict.fromkeys(values))
 
 
 class PipeTrainerDataset(io.ComfyNode):
@@ -26,30 +39,63 @@ class PipeTrainerDataset(io.ComfyNode):
             category=CATEGORY,
             inputs=[
                 io.String.Input("folder", default="pipetrainer_demo",
-                                tooltip="Folder of images with same-name .txt captions; relative paths are "
+                                tooltip="Folder of images/videos with same-name .txt captions; relative paths are "
                                         "inside ComfyUI's input folder."),
                 io.Int.Input("resolution", default=512, min=64, max=4096, step=16,
-                             tooltip="Training resolution: images are resized to cover it and center-cropped."),
+                             tooltip="Training resolution: each item is resized to cover its bucket (about "
+                                     "resolution x resolution pixels) and center-cropped."),
                 io.Int.Input("repeats", default=1, min=1, max=1000,
-                             tooltip="How many times each image appears per epoch."),
+                             tooltip="How many times each item appears per epoch."),
                 io.Combo.Input("missing_caption", options=list(CAPTION_POLICIES), default="error",
-                               tooltip="Images without a caption: 'error' names them and stops, 'skip' drops "
+                               tooltip="Files without a caption: 'error' names them and stops, 'skip' drops "
                                        "them, 'empty' trains them with an empty caption (both reported)."),
+                io.Int.Input("aspect_buckets", default=1, min=1, max=64, optional=True,
+                             tooltip="Number of aspect-ratio buckets, log-spaced between min and max ratio; "
+                                     "1 = square only. Each item goes to the bucket closest to its shape."),
+                io.Float.Input("min_ratio", default=0.5, min=0.1, max=1.0, step=0.05, optional=True,
+                               tooltip="Narrowest bucket (width / height), e.g. 0.5 for 1:2 portraits."),
+                io.Float.Input("max_ratio", default=2.0, min=1.0, max=10.0, step=0.05, optional=True,
+                               tooltip="Widest bucket (width / height), e.g. 2.0 for 2:1 landscapes."),
+                io.String.Input("extra_resolutions", default="", optional=True,
+                                tooltip="More training resolutions, comma-separated (e.g. '256, 768'): every item "
+                                        "is cached once per resolution (multi-resolution training)."),
+                io.Float.Input("video_fps", default=16.0, min=1.0, max=120.0, step=1.0, optional=True,
+                               tooltip="Videos are resampled to this frame rate before cutting frame buckets."),
+                io.Int.Input("max_frames", default=33, min=1, max=1024, optional=True,
+                             tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames."),
             ],
-            outputs=[Dataset.Output(display_name="dataset", tooltip="The images and captions to cache."),
+            outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],
         )
 
     @classmethod
-    def validate_inputs(cls, folder: str, resolution: int, repeats: int, missing_caption: str) -> bool | str:
+    def validate_inputs(cls, folder: str, extra_resolutions: str = "") -> bool | str:
+        """Only the free-text inputs: ComfyUI still range-checks every input not named here."""
         if not folder.strip():
             return "folder is empty: give a folder of captioned images."
+        try:
+            parse_resolutions(64, extra_resolutions)
+        except DatasetError as exc:
+            return str(exc)
         return True
 
     @classmethod
-    def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str) -> io.NodeOutput:
+    def bucket_settings(cls, resolution: int, aspect_buckets: int = 1, min_ratio: float = 0.5,
+                        max_ratio: float = 2.0, extra_resolutions: str = "", video_fps: float = 16.0,
+                        max_frames: int = 33) -> BucketSettings:
+        square = aspect_buckets == 1
+        return BucketSettings(resolutions=parse_resolutions(resolution, extra_resolutions),
+                              min_ratio=1.0 if square else min_ratio, max_ratio=1.0 if square else max_ratio,
+                              count=aspect_buckets, max_frames=max_frames, fps=video_fps)
+
+    @classmethod
+    def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str, aspect_buckets: int = 1,
+                min_ratio: float = 0.5, max_ratio: float = 2.0, extra_resolutions: str = "",
+                video_fps: float = 16.0, max_frames: int = 33) -> io.NodeOutput:
         try:
-            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption)
+            settings = cls.bucket_settings(resolution, aspect_buckets, min_ratio, max_ratio, extra_resolutions,
+                                           video_fps, max_frames)
+            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings)
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
         return io.NodeOutput(dataset, dataset.report())

@@ -1,0 +1,53 @@
+"""The Dataset and Cache nodes on the real ComfyUI server: buckets from the node inputs, a report shown
+in the UI that says what was cached, reused and skipped, and input errors caught before running."""
+
+from __future__ import annotations
+
+import shutil
+import urllib.error
+import uuid
+
+import pytest
+from PIL import Image
+
+from pipetrainer.devkit.host import history_error
+
+
+def _prompt(folder: str, **dataset) -> dict:
+    return {
+        "2": {"class_type": "CLIPLoader",
+              "inputs": {"clip_name": "pipetrainer-tiny-clip-l.safetensors", "type": "stable_diffusion"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "pipetrainer-tiny-taesd16.safetensors"}},
+        "4": {"class_type": "PipeTrainerDataset",
+              "inputs": {"folder": folder, "resolution": 64, "repeats": 1, "missing_caption": "error", **dataset}},
+        "5": {"class_type": "PipeTrainerCache", "inputs": {"dataset": ["4", 0], "vae": ["3", 0], "clip": ["2", 0]}},
+    }
+
+
+@pytest.mark.slow
+def test_cache_node_buckets_reports_and_skips(server, comfy_root, fixture_paths):
+    folder = f"cache_node_{uuid.uuid4().hex[:8]}"
+    data = comfy_root / "input" / folder
+    shutil.copytree(fixture_paths.dataset, data)
+    Image.new("RGB", (128, 64), (10, 200, 10)).save(data / "wide.png")
+    (data / "wide.txt").write_text("a wide green picture", encoding="utf-8")
+    (data / "broken.jpg").write_bytes(b"not a jpeg at all")
+    (data / "broken.txt").write_text("broken", encoding="utf-8")
+    try:
+        entry = server.wait(server.queue(_prompt(folder, aspect_buckets=3, min_ratio=0.5, max_ratio=2.0)), 600)
+        assert history_error(entry) is None, server.log_tail()
+        report = "\n".join(entry["outputs"]["5"]["text"])
+        assert report.startswith("cached 5 latents, 5 texts; reused 0 latents, 0 texts")
+        assert "buckets: 64x64x1 (4), 96x48x1 (1)" in report
+        assert "skipped broken.jpg: cannot read it" in report
+        again = server.wait(server.queue(_prompt(folder, aspect_buckets=3, min_ratio=0.5, max_ratio=2.0,
+                                                 extra_resolutions="")), 600)
+        assert "\n".join(again["outputs"]["5"]["text"]).startswith("cached 0 latents, 0 texts; reused 5 latents")
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_dataset_node_rejects_bad_extra_resolutions(server):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        server.queue(_prompt("pipetrainer_demo", extra_resolutions="256, big"))
+    assert b"whole numbers" in info.value.read()
