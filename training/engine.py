@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from ..patches.deepspeed_pipe_backward import use_single_backward
+from .clipping import GlobalNormClipping
 from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
 from .lora_file import atomic_save, lora_state_dict
@@ -81,7 +83,8 @@ def deepspeed_config(spec: RunSpec, data_parallel: int) -> dict:
         "train_batch_size": t.batch_size * t.grad_accum * data_parallel,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "gradient_clipping": t.max_grad_norm,
+        # Clipping is ours (training/clipping.py): DeepSpeed's clips each pipeline stage by its own norm.
+        "gradient_clipping": 0.0,
     }
 
 
@@ -117,7 +120,7 @@ class Trainer:
             num_stages=spec.train.pipeline_stages,
             loss_fn=mse_loss,
             partition_method="parameters" if spec.train.partition_method == "parameters" else "uniform",
-            activation_checkpoint_interval=1 if spec.train.gradient_checkpointing else 0,
+            activation_checkpoint_interval=spec.train.checkpoint_interval if spec.train.gradient_checkpointing else 0,
             activation_checkpoint_func=checkpoint,
             dynamic_shape=True,
         )
@@ -138,6 +141,10 @@ class Trainer:
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler,
             model_parameters=params, config=deepspeed_config(spec, data_parallel=self.data_parallel),
         )
+        use_single_backward(self.engine)
+        if spec.train.max_grad_norm > 0:
+            optimizer.register_step_pre_hook(
+                GlobalNormClipping(spec.train.max_grad_norm, self.engine.grid.get_pipe_parallel_group()))
         self.scheduler = scheduler
         self.batches = MicroBatches(
             load_examples(spec.items), spec.train.batch_size, spec.train.seed, model, self.adapter,

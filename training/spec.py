@@ -95,6 +95,8 @@ class TrainSpec:
     max_grad_norm: float = 1.0  # 0 disables clipping
     pipeline_stages: int = 1
     partition_method: str = "parameters"
+    data_parallel: int = 1  # replicas of the whole pipeline; ranks = pipeline_stages * data_parallel
+    checkpoint_interval: int = 1  # layers per activation-checkpointed chunk (with gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,10 @@ class RunSpec:
             out.append(f"Training dtype {t.dtype!r} is not one of {', '.join(TRAIN_DTYPES)}.")
         if t.pipeline_stages < 1:
             out.append(f"Pipeline stages must be at least 1 (got {t.pipeline_stages}).")
+        if t.data_parallel < 1:
+            out.append(f"Data-parallel replicas must be at least 1 (got {t.data_parallel}).")
+        if t.checkpoint_interval < 1:
+            out.append(f"Activation checkpoint interval must be at least 1 layer (got {t.checkpoint_interval}).")
         if t.partition_method not in PARTITION_METHODS:
             out.append(
                 f"Partition method {t.partition_method!r} is not one of {', '.join(PARTITION_METHODS)}."
@@ -185,7 +191,8 @@ class RunSpec:
 
     @property
     def world_size(self) -> int:
-        return self.train.pipeline_stages
+        """Ranks of the run: every pipeline stage of every data-parallel replica."""
+        return self.train.pipeline_stages * self.train.data_parallel
 
     # ---- serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
