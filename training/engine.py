@@ -21,6 +21,7 @@ from ..patches.deepspeed_pipe_backward import use_single_backward
 from .clipping import GlobalNormClipping
 from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
+from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .lora_file import atomic_save, lora_state_dict
 from .lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
 from .loss import mse_loss
@@ -96,6 +97,7 @@ class Trainer:
         self.ctx = ctx
         self.run_dir = Path(spec.run_dir)
         self.step = 0
+        self.step_times: list[float] = []
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self, patcher) -> None:
@@ -125,10 +127,13 @@ class Trainer:
             dynamic_shape=True,
         )
         dm.requires_grad_(False)
+        regex = self.adapter.lora_target_regex(spec.lora.targets)
+        self.boundaries = [int(p) for p in self.module.parts]
+        self.plan = describe(layers, self.boundaries, regex)
+        require_lora_on_every_stage(self.plan, spec.lora.targets)
         local = [(int(name), layer) for name, layer in self.module.named_children() if name.isdigit()]
         self.layer_paths = {i: dict(getattr(layer, "comfy_paths", {})) for i, layer in local}
         self.module.to(ctx.device)
-        regex = self.adapter.lora_target_regex(spec.lora.targets)
         self.lora_count = inject_lora(local, regex, spec.lora, spec.train.seed)
         params = freeze_all_but_lora(self.module)
         if not params:
@@ -153,16 +158,32 @@ class Trainer:
         )
         if spec.resume_from:
             self._load_checkpoint(spec.resume_from)
-        self.boundaries = [int(p) for p in self.module.parts]
         if ctx.rank == 0:
+            write_plan(self.run_dir, self.plan, spec.train.partition_method, {
+                "pipeline_stages": spec.train.pipeline_stages, "data_parallel": self.data_parallel,
+                "checkpoint_interval": spec.train.checkpoint_interval if spec.train.gradient_checkpointing else 0,
+            })
+            for line in log_lines(self.plan):
+                print(f"[pipetrainer] {line}", flush=True)
             ctx.events.emit(
                 "setup", family=self.family, lora_modules_stage0=self.lora_count,
-                partition=self.boundaries, layers=len(layers), world_size=ctx.world_size, resumed_step=self.step,
+                partition=self.boundaries, stages=[list(p.layers) for p in self.plan], layers=len(layers),
+                world_size=ctx.world_size, data_parallel=self.data_parallel, resumed_step=self.step,
             )
 
     @property
     def data_parallel(self) -> int:
         return self.ctx.world_size // self.spec.train.pipeline_stages
+
+    @property
+    def stage_id(self) -> int:
+        return int(self.module.stage_id)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        """Mean wall time of the steps after the first (which pays one-off start-up costs)."""
+        times = self.step_times[1:] or self.step_times
+        return sum(times) / len(times) if times else None
 
     # ---- loop ----------------------------------------------------------------------------------
     def train(self) -> str:
@@ -176,6 +197,7 @@ class Trainer:
             t0 = time.monotonic()
             loss = self.engine.train_batch(data_iter=data)
             self.step += 1
+            self.step_times.append(time.monotonic() - t0)
             if ctx.rank == 0:
                 now = time.monotonic()
                 done = self.step - first_step

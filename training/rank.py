@@ -26,9 +26,27 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def cpu_rank_environment() -> dict[str, str]:
+    """Environment a CPU rank needs before torch/DeepSpeed load (also for ranks a launcher started)."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def run_rank(spec_path: str) -> int:
+    """One rank. RANK / WORLD_SIZE / LOCAL_RANK come from the supervisor or from a launcher
+    (torchrun, DeepSpeed's multi-node launcher); PIPETRAINER_INIT_METHOD is the supervisor's file
+    rendezvous and defaults to ``env://`` (MASTER_ADDR / MASTER_PORT) for launcher-started ranks."""
     die_with_parent()
     spec = RunSpec.load(spec_path).validated()
+    if spec.device == "cpu":
+        for key, value in cpu_rank_environment().items():
+            os.environ.setdefault(key, value)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -72,6 +90,8 @@ def _train(spec: RunSpec, rank: int, world: int, local_rank: int, events: EventW
     trainer = Trainer(spec, RankContext(rank, world, local_rank, device, events))
     trainer.setup(patcher)
     outcome = trainer.train()
+    events.emit("rank_done", rank=rank, stage=trainer.stage_id, step=trainer.step, peak_rss_mb=peak_rss_mb(),
+                seconds_per_step=trainer.seconds_per_step)
     torch.distributed.barrier()
     if rank == 0:
         events.emit(outcome, step=trainer.step)

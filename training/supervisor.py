@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .events import EventWriter, stop_path
-from .rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from .rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, cpu_rank_environment
 from .spec import RunSpec
 
 POLL_S = 0.2
@@ -39,7 +39,7 @@ def _rank_env(spec: RunSpec, rank: int, rendezvous: Path) -> dict[str, str]:
         "PIPETRAINER_INIT_METHOD": f"file://{rendezvous}", "PYTHONUNBUFFERED": "1",
     })
     if spec.device == "cpu":
-        env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        env.update(cpu_rank_environment())
     return env
 
 
