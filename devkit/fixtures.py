@@ -104,6 +104,12 @@ def build_tiny_taesd16(path: Path, seed: int = 999) -> Path:
         # TAESD's own latent scale so these latents are unit-sized too, or there is nothing to learn.
         probe = torch.rand(4, 3, 64, 64, generator=_seeded(seed))
         model.vae_scale.fill_(model.taesd_encoder(probe).std())
+        # Likewise the decoder: centre its output on mid-grey with visible contrast, so sampled images
+        # are not uniformly black and a LoRA's effect shows in the pixels.
+        last = [m for m in model.taesd_decoder.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+        pixels = model.decode(model.encode(probe * 2 - 1))
+        last.weight.mul_(0.5 / pixels.std())
+        last.bias.fill_(0.5)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))

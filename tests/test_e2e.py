@@ -1,0 +1,107 @@
+"""End to end on the real ComfyUI server: the example workflow trains, saves and samples; Cancel stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import psutil
+from PIL import Image
+from safetensors.torch import load_file
+
+from pipetrainer.devkit.host import history_error, output_images
+from pipetrainer.training.events import read_all
+
+WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "pipetrainer_tiny_mmdit_api.json"
+TRAIN_NODE = "8"
+
+
+def _workflow(lora_name: str, steps: int) -> dict:
+    prompt = json.loads(WORKFLOW.read_text())
+    prompt[TRAIN_NODE]["inputs"].update(lora_name=lora_name, steps=steps)
+    prompt["14"]["inputs"]["filename_prefix"] = lora_name
+    return prompt
+
+
+def _sample_with_stock_loader(lora_file: str, strength: float, prefix: str) -> dict:
+    prompt = json.loads(WORKFLOW.read_text())
+    keep = {k: v for k, v in prompt.items() if k in {"1", "2", "3", "9", "10", "11", "12", "13", "14"}}
+    keep["20"] = {"class_type": "LoraLoaderModelOnly",
+                  "inputs": {"model": ["1", 0], "lora_name": lora_file, "strength_model": strength}}
+    keep["12"]["inputs"]["model"] = ["20", 0]
+    keep["14"]["inputs"]["filename_prefix"] = prefix
+    return keep
+
+
+def _run_dirs(comfy_root: Path, lora_name: str) -> list[Path]:
+    return sorted((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{lora_name}-*"))
+
+
+def _processes_of(run_dir: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
+
+
+def _pixels(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+
+def test_workflow_trains_saves_and_samples_with_the_lora(server, comfy_root):
+    name = f"e2e_{uuid.uuid4().hex[:6]}"
+    entry = server.wait(server.queue(_workflow(name, steps=12)), timeout=600)
+    assert history_error(entry) is None, server.log_tail()
+    lora_path = comfy_root / "models" / "loras" / f"{name}.safetensors"
+    assert lora_path.exists()
+    keys = load_file(str(lora_path))
+    assert keys and all(k.startswith("diffusion_model.") for k in keys)
+    [run_dir] = _run_dirs(comfy_root, name)
+    assert [e["step"] for e in read_all(run_dir) if e["type"] == "step"] == list(range(1, 13))
+    assert _processes_of(run_dir) == []
+    [trained_image] = output_images(entry, comfy_root)
+
+    with_lora = server.wait(server.queue(_sample_with_stock_loader(lora_path.name, 1.0, name + "_s1")), 300)
+    without = server.wait(server.queue(_sample_with_stock_loader(lora_path.name, 0.0, name + "_s0")), 300)
+    assert history_error(with_lora) is None and history_error(without) is None
+    assert "lora key not loaded" not in server.log_path.read_text(errors="replace")
+    [stock_image] = output_images(with_lora, comfy_root)
+    [base_image] = output_images(without, comfy_root)
+    # The Train node's MODEL output and the stock LoraLoader apply the same file: the same image.
+    assert np.array_equal(_pixels(trained_image), _pixels(stock_image))
+    assert np.abs(_pixels(stock_image) - _pixels(base_image)).max() > 0
+
+
+def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_root):
+    name = f"cancel_{uuid.uuid4().hex[:6]}"
+    prompt_id = server.queue(_workflow(name, steps=100_000))
+    deadline = time.monotonic() + 300
+    run_dir = None
+    while time.monotonic() < deadline:
+        dirs = _run_dirs(comfy_root, name)
+        if dirs and sum(e["type"] == "step" for e in read_all(dirs[0])) >= 3:
+            run_dir = dirs[0]
+            break
+        time.sleep(0.5)
+    assert run_dir is not None, server.log_tail()
+    assert _processes_of(run_dir), "training should be running"
+    cancelled_at = time.monotonic()
+    server.interrupt()
+    entry = server.wait(prompt_id, timeout=120)
+    took = time.monotonic() - cancelled_at
+    kinds = [kind for kind, _ in entry["status"]["messages"]]
+    assert "execution_interrupted" in kinds, entry["status"]
+    assert took < 60, took
+    assert _processes_of(run_dir) == []
+    events = read_all(run_dir)  # every line is complete JSON
+    stopped = [e for e in events if e["type"] == "stopped"]
+    saved = [e for e in events if e["type"] == "saved"]
+    assert stopped and saved and saved[-1]["step"] == stopped[-1]["step"]
+    assert Path(saved[-1]["checkpoint"]).is_dir()
+    assert load_file(saved[-1]["path"])
+    assert not (comfy_root / "models" / "loras" / f"{name}.safetensors").exists()
+    assert not (run_dir / ".rendezvous").exists()
