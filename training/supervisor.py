@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cluster import write_cluster_bundle
 from .events import EventWriter, stop_path
 from .rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, cpu_rank_environment
 from .spec import RunSpec
@@ -72,7 +73,8 @@ def supervise(spec_path: str, entry: str) -> int:
         os._exit(EXIT_FAILED)
 
     signal.signal(signal.SIGTERM, on_term)
-    events.emit("launch", world_size=spec.world_size, pid=os.getpid())
+    bundle = write_cluster_bundle(spec, entry)
+    events.emit("launch", world_size=spec.world_size, pid=os.getpid(), cluster=str(bundle))
     for rank in range(spec.world_size):
         with open(logs / f"rank{rank}.log", "ab") as log:
             procs.append(subprocess.Popen([sys.executable, entry, "rank", spec_path], stdout=log,
@@ -83,8 +85,8 @@ def supervise(spec_path: str, entry: str) -> int:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (EXIT_OK, EXIT_STOPPED)]
             if failed:
-                rank, code = failed[0]
                 _terminate(procs)
+                rank, code = _origin_of_failure(run_dir, failed)
                 events.emit("failed", rank=rank, exit_code=code, log_tail=log_tail(logs / f"rank{rank}.log"))
                 return EXIT_FAILED
             if all(c is not None for c in codes):
@@ -99,6 +101,19 @@ def supervise(spec_path: str, entry: str) -> int:
             time.sleep(POLL_S)
     finally:
         rendezvous.unlink(missing_ok=True)
+
+
+def _origin_of_failure(run_dir: Path, failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failed rank that reported an error first (its peers then fail with "connection closed")."""
+    from .events import read_all
+
+    codes = dict(failed)
+    errors = sorted((e.get("time", 0.0), e.get("rank")) for e in read_all(run_dir)
+                    if e.get("type") == "error" and e.get("rank") in codes)
+    if errors:
+        rank = errors[0][1]
+        return rank, codes[rank]
+    return failed[0]
 
 
 def _alive(pid: int) -> bool:
