@@ -9,6 +9,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.cache.store import build_cache
+from . import preflight
 from .types import CATEGORY, Cache, Dataset
 
 
@@ -43,6 +44,9 @@ class PipeTrainerCache(io.ComfyNode):
         def progress(done: int, total: int) -> None:
             bar.update_absolute(done, total)
 
+        problems = preflight.cache_problems(dataset, vae, clip, cache_root())
+        if problems:
+            raise ValueError("\n".join(problems))
         result = build_cache(dataset, vae, clip, cache_root(), progress)
         report = result.report.text()
         if not result.items:

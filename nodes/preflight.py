@@ -308,9 +308,52 @@ def run_disk_bytes(lora_params: int, train: TrainSpec) -> int:
     return saves * lora_params * BYTES_PER_LORA_PARAM_PER_SAVE + DISK_MARGIN_BYTES
 
 
-def cache_disk_bytes(item_count: int, latent_elements: int, text_elements: int, bytes_per_element: int = 4) -> int:
-    """Bytes a cache of ``item_count`` items needs (latent + text embedding per item, fp32), plus a margin."""
-    return item_count * (latent_elements + text_elements) * bytes_per_element + DISK_MARGIN_BYTES
+def cache_disk_bytes(latent_elements: int, text_elements: int, bytes_per_element: int = 4) -> int:
+    """Bytes a cache of that many latent and text-embedding elements needs (stored fp32), plus a margin."""
+    return (latent_elements + text_elements) * bytes_per_element + DISK_MARGIN_BYTES
+
+
+def _vae_geometry(vae) -> tuple[int, int, Callable[[int], int]]:
+    """(latent channels, spatial downscale, frames -> latent frames) of a ComfyUI VAE."""
+    ratio = getattr(vae, "downscale_ratio", 8)
+    channels = int(getattr(vae, "latent_channels", 16))
+    if isinstance(ratio, (tuple, list)):  # video VAEs: (temporal rule, h, w)
+        temporal = ratio[0] if callable(ratio[0]) else (lambda f, r=ratio[0]: max(1, f // r))
+        return channels, int(ratio[-1]), temporal
+    return channels, int(ratio), lambda frames: frames
+
+
+def dataset_latent_elements(dataset, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
+    """Latent elements of every item at every training resolution (videos at their largest frame bucket)."""
+    settings = getattr(dataset, "bucket_settings", None)
+    resolutions = settings.resolutions if settings is not None else (dataset.resolution,)
+    max_frames = settings.max_frames if settings is not None else 1
+    total = 0
+    for entry in dataset.entries:
+        frames = latent_frames(max_frames) if getattr(entry, "is_video", False) else 1
+        total += sum(channels * frames * (res // downscale) ** 2 for res in resolutions)
+    return total
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) if os.path.isdir(folder) else 0
+
+
+def cache_problems(dataset, vae, clip, cache_dir: str) -> list[str]:
+    """Free disk for the cache about to be filled.
+
+    The estimate counts every item (an upper bound when some are reused) minus what the cache folder
+    already holds, so re-running an unchanged dataset never trips it. One empty caption is encoded
+    to learn the text embedding's size.
+    """
+    channels, downscale, latent_frames = _vae_geometry(vae)
+    latent = dataset_latent_elements(dataset, channels, downscale, latent_frames)
+    cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
+    per_caption = cond[0].numel() + (pooled[0].numel() if pooled is not None else 0)
+    text = per_caption * len({entry.caption for entry in dataset.entries})
+    needed = max(DISK_MARGIN_BYTES, cache_disk_bytes(latent, text) - _folder_bytes(cache_dir))
+    return disk_problems(cache_dir, needed, free_bytes(cache_dir), "the latent and text cache",
+                         ", or cache fewer resolutions / frames")
 
 
 def free_bytes(folder: str) -> int:

@@ -309,7 +309,7 @@ def test_disk_estimates_grow_with_saves_and_items(setup):
     assert 0 < params < wider
     once, often = run_disk_bytes(params, TrainSpec(steps=100)), run_disk_bytes(params, TrainSpec(steps=100, save_every=10))
     assert often - once == 9 * params * 16  # nine intermediate saves, each a checkpoint + a LoRA file
-    assert cache_disk_bytes(1000, 16 * 64 * 64, 77 * 768) > cache_disk_bytes(10, 16 * 64 * 64, 77 * 768)
+    assert cache_disk_bytes(1000 * 16 * 64 * 64, 77 * 768) > cache_disk_bytes(10 * 16 * 64 * 64, 77 * 768)
     assert free_bytes(str(setup.tmp / "not" / "yet" / "made")) > 0
 
 
@@ -321,3 +321,21 @@ def test_preflight_never_imports_the_trainer_libraries():
             "bad = [m for m in ('deepspeed', 'peft') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_cache_disk_estimate_counts_items_resolutions_and_text(encoders, fixture_paths, tmp_path):
+    from pipetrainer.nodes.preflight import DISK_MARGIN_BYTES, cache_problems, dataset_latent_elements, free_bytes
+
+    vae, clip = encoders
+    dataset = scan_dataset(fixture_paths.dataset, 64)
+    assert dataset_latent_elements(dataset, 16, 8, lambda f: f) == len(dataset.entries) * 16 * 8 * 8
+    assert cache_problems(dataset, vae, clip, str(tmp_path / "cache")) == []  # tiny cache, plenty of room
+    assert free_bytes(str(tmp_path)) > DISK_MARGIN_BYTES
+
+
+def test_the_cache_node_checks_disk_then_caches(encoders, fixture_paths):
+    from pipetrainer.nodes.cache import PipeTrainerCache
+
+    vae, clip = encoders
+    result = PipeTrainerCache.execute(scan_dataset(fixture_paths.dataset, 64), vae, clip).result[0]
+    assert result.items
