@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -18,6 +19,7 @@ from ..training.spec import PARTITION_METHODS, TIMESTEP_SAMPLING, TRAIN_DTYPES, 
 from . import paths, preflight, run_process
 from .loss_plot import as_image_tensor, loss_curve
 from .model_source import recipe_of
+from .stacked_loras import write_stacked_loras
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig
 
 PREVIEW_EVERY_S = 2.0
@@ -72,7 +74,7 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("batch_size", default=1, min=1, max=256, tooltip="Examples per micro-batch."),
                 io.Int.Input("gradient_accumulation", default=1, min=1, max=1024,
                              tooltip="Micro-batches per optimizer step (also the pipeline's micro-batches)."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1,
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
                              tooltip="Seed for LoRA init, data order, noise and timesteps: same seed, same run."),
                 io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLING), default="shift",
                                tooltip="uniform; logit_normal (mid timesteps favoured); shift (the model's own "
@@ -85,6 +87,12 @@ class PipeTrainerTrain(io.ComfyNode):
                                  tooltip="Recompute activations in backward: much less memory, ~30% slower."),
                 io.Int.Input("pipeline_stages", default=1, min=1, max=64,
                              tooltip="Split the model over this many GPUs (pipeline parallel); 1 = one device."),
+                io.Int.Input("data_parallel", default=1, min=1, max=64, optional=True,
+                             tooltip="Copies of the whole pipeline that split each batch (data parallel); "
+                                     "ranks = pipeline_stages x data_parallel."),
+                io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
+                             tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
+                                     "recompute boundaries, more memory)."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
                                tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts."),
                 io.Boolean.Input("resume", default=True,
@@ -122,16 +130,19 @@ class PipeTrainerTrain(io.ComfyNode):
             seed=settings["seed"], timestep_sampling=settings["timestep_sampling"], save_every=settings["save_every"],
             dtype=settings["training_dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
             pipeline_stages=settings["pipeline_stages"], partition_method=settings["partition_method"],
+            data_parallel=settings.get("data_parallel", 1), checkpoint_interval=settings.get("checkpoint_interval", 1),
         )
         device = "cuda" if comfy.model_management.get_torch_device().type == "cuda" else "cpu"
-        if device == "cpu" and train.pipeline_stages > 2 * max(1, (os.cpu_count() or 1) // 2):
-            problems.append(f"pipeline_stages={train.pipeline_stages} is more than this machine can run on CPU.")
+        ranks = train.pipeline_stages * train.data_parallel
+        if device == "cpu" and ranks > 2 * max(1, (os.cpu_count() or 1) // 2):
+            problems.append(f"pipeline_stages x data_parallel = {ranks} ranks is more than this machine can run on "
+                            "CPU. Lower them, or export the run (run dir 'cluster/') to a bigger machine.")
         if device == "cuda":
             import torch
 
-            if train.pipeline_stages > torch.cuda.device_count():
-                problems.append(f"pipeline_stages={train.pipeline_stages} needs that many GPUs; "
-                                f"{torch.cuda.device_count()} visible. Lower pipeline_stages.")
+            if ranks > torch.cuda.device_count():
+                problems.append(f"pipeline_stages x data_parallel = {ranks} ranks needs that many GPUs; "
+                                f"{torch.cuda.device_count()} visible. Lower pipeline_stages or data_parallel.")
         problems += preflight.train_problems(model, cache, lora, train, paths.runs_root())
         if problems:
             raise SpecError(problems)
@@ -148,9 +159,10 @@ class PipeTrainerTrain(io.ComfyNode):
     def execute(cls, model, cache, lora, optimizer, lora_name: str, **settings) -> io.NodeOutput:
         resume = settings.pop("resume")
         spec = cls.build_spec(model, cache, lora, optimizer, lora_name, **settings)
+        run_dir = paths.new_run_dir(lora_name)
+        spec = dataclasses.replace(spec, model=write_stacked_loras(model, spec.model, run_dir), run_dir=run_dir)
         resume_from = _find_resume_checkpoint(lora_name, spec.training_hash()) if resume else ""
-        spec = RunSpec.from_dict({**spec.to_dict(), "run_dir": paths.new_run_dir(lora_name),
-                                  "resume_from": resume_from}).validated()
+        spec = dataclasses.replace(spec, resume_from=resume_from).validated()
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
 

@@ -58,9 +58,11 @@ def _merge_patches(patcher) -> None:
     import comfy.utils
 
     model = patcher.model
-    for key, patches in patcher.patches.items():
-        weight = comfy.utils.get_attr(model, key)
-        merged = comfy.lora.calculate_weight(patches, weight.to(torch.float32), key, intermediate_dtype=torch.float32)
-        with torch.no_grad():
+    with torch.no_grad():
+        for key, patches in patcher.patches.items():
+            weight = comfy.utils.get_attr(model, key)
+            # calculate_weight works in place: give it a detached fp32 copy, never the parameter itself.
+            work = weight.detach().to(torch.float32, copy=True)
+            merged = comfy.lora.calculate_weight(patches, work, key, intermediate_dtype=torch.float32)
             weight.copy_(merged.to(weight.dtype))
     patcher.patches.clear()

@@ -232,7 +232,8 @@ class RunSpec:
         """
         d = self.to_dict()
         keep = {
-            "model": {k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint", "loras")},
+            "model": {**{k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint")},
+                      "loras": [(Path(p).name, s) for p, s in d["model"]["loras"]]},
             "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
                        i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
             "lora": d["lora"],
