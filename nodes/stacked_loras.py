@@ -28,8 +28,9 @@ def _lora_tensors(key: str, patch: tuple) -> dict[str, torch.Tensor]:
 
     strength_patch, adapter, strength_model, offset, function = patch
     if not isinstance(adapter, LoRAAdapter):
+        kind = getattr(adapter, "name", None) or type(adapter).__name__
         raise UnsupportedStackedPatch(
-            f"The MODEL carries a {getattr(adapter, "name", None) or type(adapter).__name__} patch on {key}; only plain LoRAs can be merged before "
+            f"The MODEL carries a {kind} patch on {key}; only plain LoRAs can be merged before "
             "training. Merge it into the model file (e.g. with a model-merge/save node) and train on that file.")
     up, down, alpha, mid, dora_scale, reshape = adapter.weights
     if mid is not None or dora_scale is not None or reshape is not None or offset is not None \
