@@ -272,7 +272,8 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
 
     Tolerance: |diff| <= 1e-4 * max|reference|. The two sides differ only in where the LoRA enters
     (ComfyUI merges ``W + s*B@A`` into the weights, PEFT adds ``s*B(A x)``): fp32 rounding, measured
-    ~1e-6 relative. The LoRA's own effect is asserted to be far above that.
+    5e-6 at max|reference| 3.4 (1.6e-6 relative). The LoRA itself moves the output by ~0.17, and is
+    asserted to move it by over 10x the tolerance, so the comparison cannot pass without the LoRA.
     """
     import comfy.lora
     import comfy.model_management
@@ -295,7 +296,7 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
     adapter = adapter_for(family_name_for(model))
     layers = list(enumerate(adapter.stage_layers(model.diffusion_model), start=1))
     count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
-    assert count == 11  # 4 attention + 4 MLP + 2 modulation Linears in the double block; 3 in the single
+    assert count == 13  # double block: 4 attention, 4 MLP, 2 modulation Linears; single block: 3
     with torch.no_grad():
         for name, p in named_lora_parameters(torch.nn.ModuleDict({str(i): m for i, m in layers})).items():
             if ".lora_B." in name:
@@ -317,11 +318,13 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
     assert not [w for w in warnings if "lora key not loaded" in w], warnings
     assert len(patches) == count and all(k.startswith("diffusion_model.") for k in patches)
     dm = patcher.model.diffusion_model
-    guidance = patcher.model.extra_conds(noise=x0, device=torch.device("cpu"))["guidance"].cond
-    assert guidance.item() == DEFAULT_GUIDANCE  # the adapter trains with ComfyUI's sampling default
+    # The conditioning exactly as ComfyUI's samplers build it from a CLIP-L CONDITIONING.
+    conds = patcher.model.extra_conds(noise=x0, device=torch.device("cpu"), cross_attn=cond, pooled_output=pooled)
+    assert conds["guidance"].cond.item() == DEFAULT_GUIDANCE  # the adapter trains with ComfyUI's default
 
     def comfy_forward(n):
-        return dm(n.clone(), timestep, context=cond, y=pooled, guidance=guidance, transformer_options={})
+        return dm(n.clone(), timestep, context=conds["c_crossattn"].cond, y=conds["y"].cond,
+                  guidance=conds["guidance"].cond, transformer_options={})
 
     with torch.no_grad():
         base = [comfy_forward(n) for n in noisy]
@@ -336,7 +339,7 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
         scale = ref.abs().max().item()
         diff = (got - ref).abs().max().item()
         assert diff <= 1e-4 * scale, (diff, scale)
-        assert (ref - plain).abs().max().item() > 100 * max(diff, 1e-4 * scale / 100)
+        assert (ref - plain).abs().max().item() > 10 * 1e-4 * scale
 
 
 @pytest.mark.slow
