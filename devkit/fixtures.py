@@ -117,7 +117,13 @@ def build_tiny_taesd16(path: Path, seed: int = 999) -> Path:
 
 
 def build_min_flux(path: Path, seed: int = 77) -> Path:
-    """The smallest Flux ComfyUI detects: hidden 3072, 1 double + 1 single block, 768-d context/vec."""
+    """The smallest Flux ComfyUI detects: hidden 3072, 1 double + 1 single block, 768-d context/vec.
+
+    Detection pins 24 heads and rotary axes [16, 56, 56] (so hidden 3072): 525 M parameters, bf16 on
+    disk. ``comfy.sd.load_diffusion_model`` detects it as ``Flux`` with no missing or unexpected keys
+    (tests/test_flux.py). The module is built on the meta device: only its key names, shapes and
+    dtypes are used, so it needs no memory (the file's bytes are the same as with a real module).
+    """
     import torch
     from comfy.ldm.flux.model import Flux
     from safetensors.torch import save_file
@@ -126,7 +132,7 @@ def build_min_flux(path: Path, seed: int = 77) -> Path:
         in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=768, hidden_size=3072,
         mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000,
         patch_size=2, qkv_bias=True, guidance_embed=False, image_model="flux",
-        operations=torch.nn, dtype=torch.bfloat16,
+        operations=torch.nn, dtype=torch.bfloat16, device="meta",
     )
     state = _randomize(model.state_dict(), seed)
     path.parent.mkdir(parents=True, exist_ok=True)
