@@ -8,6 +8,7 @@ cache can place every item; see ``cache/buckets.py`` for the arithmetic.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class ImageEntry:
 
     @property
     def is_video(self) -> bool:
-        return Path(self.path).suffix.lower() in VIDEO_EXTENSIONS
+        return self.path.lower().endswith(VIDEO_EXTENSIONS)
 
 
 @dataclass(frozen=True)
@@ -110,24 +111,30 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
     if not folder.is_dir():
         raise DatasetError(f"Dataset folder {folder} does not exist: create it or fix the path.")
     media = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
-    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in media)
+    with os.scandir(folder) as listing:  # one directory read; no stat per file (large datasets)
+        files = {e.name for e in listing if e.is_file()}
+    images = sorted(n for n in files if n.lower().endswith(media))
     if not images:
         raise DatasetError(
             f"Dataset folder {folder} has no images or videos ({', '.join(media)}): add them with .txt captions."
         )
     entries, missing, skipped, empty = [], [], [], []
-    for img in images:
-        cap_file = img.with_suffix(".txt")
-        caption = cap_file.read_text(encoding="utf-8").strip() if cap_file.exists() else None
+    for name in images:
+        cap_name = os.path.splitext(name)[0] + ".txt"
+        caption = None
+        if cap_name in files:
+            with open(os.path.join(folder, cap_name), encoding="utf-8") as f:
+                caption = f.read().strip()
+        path = os.path.join(folder, name)
         if caption:
-            entries.append(ImageEntry(str(img), caption))
+            entries.append(ImageEntry(path, caption))
         elif missing_caption == "error":
-            missing.append(img.name)
+            missing.append(name)
         elif missing_caption == "skip":
-            skipped.append(img.name)
+            skipped.append(name)
         else:
-            empty.append(img.name)
-            entries.append(ImageEntry(str(img), ""))
+            empty.append(name)
+            entries.append(ImageEntry(path, ""))
     if missing:
         raise DatasetError(
             f"{len(missing)} file(s) in {folder} have no caption (or an empty one): {', '.join(missing)}. "

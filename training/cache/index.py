@@ -77,6 +77,10 @@ class CacheIndex:
         rows = self.db.execute("SELECT key, shard, offset, length, checksum, shapes FROM entries")
         return {r[0]: Entry(*r[1:]) for r in rows}
 
+    def entry_shards(self) -> dict[str, str]:
+        """Key -> shard of every entry (the cheap listing revalidation needs)."""
+        return dict(self.db.execute("SELECT key, shard FROM entries"))
+
     def entry(self, key: str) -> Entry | None:
         r = self.db.execute("SELECT shard, offset, length, checksum, shapes FROM entries WHERE key=?",
                             (key,)).fetchone()
@@ -121,8 +125,9 @@ class CacheIndex:
         self.db.execute("INSERT OR REPLACE INTO sources VALUES (?,?,?,?,?)",
                         (path, source.size, source.mtime_ns, source.digest, source.probe))
 
-    def slots(self) -> dict[str, tuple[str, dict]]:
-        return {r[0]: (r[1], json.loads(r[2])) for r in self.db.execute("SELECT slot, key, components FROM slots")}
+    def slots(self) -> dict[str, tuple[str, str]]:
+        """Slot -> (key, components as JSON text; parsed only when a reason is needed)."""
+        return {r[0]: (r[1], r[2]) for r in self.db.execute("SELECT slot, key, components FROM slots")}
 
     def put_slots(self, rows: list[tuple[str, str, dict]]) -> None:
         if rows:

@@ -86,6 +86,8 @@ class _Planned:
     bucket: Bucket
     latent: dict  # key components
     text: dict
+    latent_key: str
+    text_key: str
 
 
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None) -> CacheResult:
@@ -132,15 +134,15 @@ class _Filler:
         self.index.close()
 
     # ---- phase 1: shards --------------------------------------------------------------------
-    def check_shards(self, entries: dict[str, Entry]) -> None:
+    def check_shards(self, entries: dict[str, str]) -> None:
         """Checksum the records of every shard that changed since it was last known good."""
         known = self.index.shard_states()
-        for shard in sorted({e.shard for e in entries.values()}):
+        for shard in sorted(set(entries.values())):
             path = self.root / "shards" / shard
             try:
                 st = path.stat()
             except FileNotFoundError:
-                self._damage(entries, {k for k, e in entries.items() if e.shard == shard}, f"shard {shard} is missing")
+                self._damage(entries, {k for k, s in entries.items() if s == shard}, f"shard {shard} is missing")
                 continue
             if known.get(shard) == (st.st_size, st.st_mtime_ns):
                 continue
@@ -150,7 +152,7 @@ class _Filler:
             self._damage(entries, bad, f"checksum mismatch in shard {shard}")
             self.index.put_shard_state(shard, st.st_size, st.st_mtime_ns)
 
-    def _damage(self, entries: dict[str, Entry], keys: set[str], reason: str) -> None:
+    def _damage(self, entries: dict[str, str], keys: set[str], reason: str) -> None:
         if keys:
             self.index.drop_entries(sorted(keys))
             for k in keys:
@@ -182,13 +184,14 @@ class _Filler:
         known = self.index.sources()
         out = []
         for entry in self.dataset.entries:
-            name = Path(entry.path).name
+            name = os.path.basename(entry.path)
             try:
                 digest, probe = self.source(entry, known)
             except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
                 self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
                 continue
             text = text_components(entry.caption, text_id)
+            text_key = key_of(text)
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
                 frames = frame_bucket(probe.frames_at(s.fps), s.max_frames) if entry.is_video else 1
@@ -199,7 +202,8 @@ class _Filler:
                                              f"{bucket.name}; widen min/max ratio or add buckets to keep it.")
                 prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
                         "resize": "lanczos", "fps": s.fps if entry.is_video else None}
-                out.append(_Planned(entry, i, bucket, latent_components(digest, prep, vae_id), text))
+                latent = latent_components(digest, prep, vae_id)
+                out.append(_Planned(entry, i, bucket, latent, text, key_of(latent), text_key))
         return out
 
     # ---- phase 3: encode --------------------------------------------------------------------
@@ -219,8 +223,8 @@ class _Filler:
         shapes = json.dumps({k: list(v.shape) for k, v in tensors.items()})
         self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
 
-    def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, Entry],
-               slots: dict[str, tuple[str, dict]], deferred: dict[str, tuple[str, _Planned]]) -> None:
+    def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, str],
+               slots: dict[str, tuple[str, str]], deferred: dict[str, tuple[str, _Planned]]) -> None:
         """Reuse, encode (when this process wins the claim) or defer ``key`` to whoever holds it."""
         if key in entries:
             self.report.reused[kind] += 1
@@ -236,34 +240,34 @@ class _Filler:
             else:
                 self._encode(key, kind, planned)
                 self._count_encode(key, kind, planned, slots)
-            entries[key] = self.index.entry(key)
+            entries[key] = self.index.entry(key).shard
         except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
             self.failed[key] = f"cannot encode its {kind} ({type(exc).__name__}: {exc})"
         finally:
             self.index.release(key)
 
-    def _count_encode(self, key: str, kind: str, planned: _Planned, slots: dict[str, tuple[str, dict]]) -> None:
+    def _count_encode(self, key: str, kind: str, planned: _Planned, slots: dict[str, tuple[str, str]]) -> None:
         name = Path(planned.entry.path).name
         old = slots.get(_slot(planned, kind))
         if key in self.damaged:
             why = self.damaged[key]
         elif old is not None:
-            why = change_reason(old[1], planned.latent if kind == "latent" else planned.text)
+            why = change_reason(json.loads(old[1]), planned.latent if kind == "latent" else planned.text)
         else:
             self.report.cached[kind] += 1
             return
         self.report.reencoded_kinds[kind] += 1
         self.report.reencoded.append(f"{name} {kind}: {why}")
 
-    def wait_for_others(self, deferred: dict[str, tuple[str, _Planned]], entries: dict[str, Entry],
-                        slots: dict[str, tuple[str, dict]]) -> None:
+    def wait_for_others(self, deferred: dict[str, tuple[str, _Planned]], entries: dict[str, str],
+                        slots: dict[str, tuple[str, str]]) -> None:
         """Keys another process was encoding: wait for them, or take them over if it died."""
         while deferred:
             for key in list(deferred):
                 kind, planned = deferred[key]
                 entry = self.index.entry(key)
                 if entry is not None:
-                    entries[key] = entry
+                    entries[key] = entry.shard
                     self.report.by_other_process[kind] += 1
                     del deferred[key]
                 else:  # claim again: succeeds only if the holder died
@@ -274,28 +278,28 @@ class _Filler:
 
     # ---- the whole run ----------------------------------------------------------------------
     def run(self) -> CacheResult:
-        entries = self.index.entries()
+        entries = self.index.entry_shards()
         self.check_shards(entries)
         planned = self.plan()
         slots = self.index.slots()
         deferred: dict[str, tuple[str, _Planned]] = {}
         for n, p in enumerate(planned):
-            self.ensure(key_of(p.latent), "latent", p, entries, slots, deferred)
-            self.ensure(key_of(p.text), "text", p, entries, slots, deferred)
+            self.ensure(p.latent_key, "latent", p, entries, slots, deferred)
+            self.ensure(p.text_key, "text", p, entries, slots, deferred)
             if self.progress:
                 self.progress(n + 1, len(planned))
         self.wait_for_others(deferred, entries, slots)
         return self.collect(planned, entries, slots)
 
-    def collect(self, planned: list[_Planned], entries: dict[str, Entry],
-                slots: dict[str, tuple[str, dict]]) -> CacheResult:
+    def collect(self, planned: list[_Planned], entries: dict[str, str],
+                slots: dict[str, tuple[str, str]]) -> CacheResult:
         items: list[CacheItem] = []
         changed_slots = []
         shapes = (0, 0, 0)
         index_file = str(self.index.path)
         skipped_files = set()
         for p in planned:
-            lkey, tkey = key_of(p.latent), key_of(p.text)
+            lkey, tkey = p.latent_key, p.text_key
             why = self.failed.get(lkey) or self.failed.get(tkey)
             if why or lkey not in entries or tkey not in entries:
                 if p.entry.path not in skipped_files:
@@ -306,7 +310,7 @@ class _Filler:
                 if slots.get(_slot(p, kind), ("",))[0] != key:
                     changed_slots.append((_slot(p, kind), key, comps))
             if not shapes[0]:
-                lat, txt = json.loads(entries[lkey].shapes), json.loads(entries[tkey].shapes)
+                lat, txt = json.loads(self.index.entry(lkey).shapes), json.loads(self.index.entry(tkey).shapes)
                 shapes = (lat["latent"][0], txt["cond"][-1], txt["pooled"][-1] if "pooled" in txt else 0)
             self.report.buckets[p.bucket.name] += 1
             item = CacheItem(index_file, index_file, p.entry.path, p.entry.caption,
