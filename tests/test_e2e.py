@@ -26,6 +26,17 @@ def _workflow(lora_name: str, steps: int) -> dict:
     return prompt
 
 
+def _with_stock_consumers(prompt: dict, prefix: str) -> dict:
+    """Feed the Train node's LOSS_MAP and LORA_MODEL outputs to the stock LossGraphNode / LoraModelLoader."""
+    prompt["15"] = {"class_type": "LossGraphNode", "inputs": {"loss": [TRAIN_NODE, 3], "filename_prefix": prefix}}
+    prompt["16"] = {"class_type": "LoraModelLoader",
+                    "inputs": {"model": ["1", 0], "lora": [TRAIN_NODE, 2], "strength_model": 1.0}}
+    prompt["17"] = {"class_type": "KSampler", "inputs": {**prompt["12"]["inputs"], "model": ["16", 0]}}
+    prompt["18"] = {"class_type": "VAEDecode", "inputs": {"samples": ["17", 0], "vae": ["3", 0]}}
+    prompt["19"] = {"class_type": "SaveImage", "inputs": {"images": ["18", 0], "filename_prefix": prefix + "_lmm"}}
+    return prompt
+
+
 def _sample_with_stock_loader(lora_file: str, strength: float, prefix: str) -> dict:
     prompt = json.loads(WORKFLOW.read_text())
     keep = {k: v for k, v in prompt.items() if k in {"1", "2", "3", "9", "10", "11", "12", "13", "14"}}
@@ -54,8 +65,9 @@ def _pixels(path: Path) -> np.ndarray:
 
 def test_workflow_trains_saves_and_samples_with_the_lora(server, comfy_root):
     name = f"e2e_{uuid.uuid4().hex[:6]}"
-    entry = server.wait(server.queue(_workflow(name, steps=12)), timeout=600)
+    entry = server.wait(server.queue(_with_stock_consumers(_workflow(name, steps=12), name)), timeout=600)
     assert history_error(entry) is None, server.log_tail()
+    assert entry["outputs"]["15"]["images"], "the stock LossGraphNode plots our LOSS_MAP"
     lora_path = comfy_root / "models" / "loras" / f"{name}.safetensors"
     assert lora_path.exists()
     keys = load_file(str(lora_path))
@@ -63,7 +75,9 @@ def test_workflow_trains_saves_and_samples_with_the_lora(server, comfy_root):
     [run_dir] = _run_dirs(comfy_root, name)
     assert [e["step"] for e in read_all(run_dir) if e["type"] == "step"] == list(range(1, 13))
     assert _processes_of(run_dir) == []
-    [trained_image] = output_images(entry, comfy_root)
+    trained_image, lora_model_image = output_images(entry, comfy_root)
+    # The stock LoraModelLoader applies our LORA_MODEL output exactly like the Train node's MODEL output.
+    assert np.array_equal(_pixels(trained_image), _pixels(lora_model_image))
 
     with_lora = server.wait(server.queue(_sample_with_stock_loader(lora_path.name, 1.0, name + "_s1")), 300)
     without = server.wait(server.queue(_sample_with_stock_loader(lora_path.name, 0.0, name + "_s0")), 300)
