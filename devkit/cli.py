@@ -12,6 +12,7 @@ def main(argv: list[str]) -> int:
     fx = sub.add_parser("fixtures", help="build the tiny models and the demo dataset")
     fx.add_argument("--flux", action="store_true", help="also build the 535 M-param Flux-min model")
     sub.add_parser("demo", help="run the example workflow headless and print the LoRA and image paths")
+    sub.add_parser("ui-workflow", help="regenerate workflows/*.json (UI format) from the API-format twins")
     args = parser.parse_args(argv)
     from .host import ensure_host
 
@@ -26,6 +27,10 @@ def main(argv: list[str]) -> int:
         use_comfyui(root)
         print(ensure_fixtures(root, flux=args.flux))
         return 0
+    if args.command == "ui-workflow":
+        from .demo import write_ui_workflows
+
+        return write_ui_workflows()
     from .demo import run_demo
 
     return run_demo()

@@ -52,3 +52,18 @@ def run_demo(timeout_s: float = 900.0) -> int:
               f"median s/step {statistics.median(e['step_time'] for e in steps):.3f}; "
               f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps")
     return 0
+
+
+def write_ui_workflows() -> int:
+    """Regenerate each ``workflows/<name>.json`` (UI format) from ``<name>_api.json`` with a live server."""
+    from .workflow_ui import api_to_ui
+
+    root = ensure_host()
+    with ComfyServer(root, PACK_DIR / ".host" / "ui-workflow-server.log") as server:
+        object_info = server.get("/object_info")
+    for api_file in sorted((PACK_DIR / "workflows").glob("*_api.json")):
+        ui = api_to_ui(json.loads(api_file.read_text()), object_info)
+        target = api_file.with_name(api_file.name.replace("_api.json", ".json"))
+        target.write_text(json.dumps(ui, indent=1) + "\n")
+        print(target)
+    return 0

@@ -1,0 +1,38 @@
+"""The example workflows: the UI file people open and the API twin tests queue are the same graph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetrainer.devkit.workflow_ui import ui_to_api
+
+WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
+PAIRS = [(p, p.with_name(p.name.replace("_api.json", ".json"))) for p in sorted(WORKFLOWS.glob("*_api.json"))]
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return server.get("/object_info")
+
+
+@pytest.mark.parametrize("api_file,ui_file", PAIRS, ids=[p.stem for p, _ in PAIRS])
+def test_ui_workflow_queues_exactly_its_api_twin(api_file, ui_file, object_info):
+    api = json.loads(api_file.read_text())
+    ui = json.loads(ui_file.read_text())
+    assert ui_to_api(ui, object_info) == api, "regenerate with: .venv/bin/python scripts/pt.py ui-workflow"
+
+
+@pytest.mark.parametrize("api_file,ui_file", PAIRS, ids=[p.stem for p, _ in PAIRS])
+def test_ui_workflow_is_a_consistent_graph(api_file, ui_file, object_info):
+    ui = json.loads(ui_file.read_text())
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    for node in nodes.values():
+        assert node["type"] in object_info, node["type"]
+    for link_id, src, src_slot, dst, dst_slot, kind in ui["links"]:
+        assert link_id in nodes[src]["outputs"][src_slot]["links"]
+        assert nodes[dst]["inputs"][dst_slot]["link"] == link_id
+        assert object_info[nodes[src]["type"]]["output"][src_slot] == kind
+    assert ui["last_node_id"] == max(nodes) and ui["last_link_id"] == len(ui["links"])
