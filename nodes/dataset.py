@@ -7,7 +7,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, scan_dataset
+from ..training.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
 from .types import CATEGORY, Dataset
 
 
@@ -67,6 +67,11 @@ class PipeTrainerDataset(io.ComfyNode):
             outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, folder: str, **_settings) -> str:
+        """Re-run when a file in the folder changes, not only when an input does."""
+        return folder_fingerprint(resolve_folder(folder))
 
     @classmethod
     def validate_inputs(cls, folder: str, extra_resolutions: str = "") -> bool | str:

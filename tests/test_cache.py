@@ -188,3 +188,20 @@ def test_video_is_resampled_bucketed_and_keyed(work, encoders):
     faster = _cache(work, encoders, buckets=BucketSettings(**{**settings.__dict__, "fps": 10.0}))
     assert any(line.startswith("clip.mp4 latent: preprocessing changed") for line in faster.report.reencoded)
     assert next(i for i in faster.items if i.source.endswith("clip.mp4")).bucket == "96x48x9"
+
+
+def test_silent_corruption_found_by_training_is_repaired_by_the_next_cache_run(work, encoders):
+    _, cache = work
+    items = _cache(work, encoders).items
+    shard = next((cache / "shards").iterdir())
+    st = shard.stat()
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF  # same size, and the mtime is put back: revalidation cannot see it
+    shard.write_bytes(bytes(raw))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _cache(work, encoders).report.encoded == {}
+    with pytest.raises(CacheReadError, match="run the 'Cache Latents & Text' node again"):
+        load_examples(items)
+    r = _cache(work, encoders).report  # training's read marked the shard for a re-check
+    assert sum(r.reencoded_kinds.values()) == 1 and "checksum mismatch" in r.reencoded[0]
+    assert len(load_examples(_cache(work, encoders).items)) == 4

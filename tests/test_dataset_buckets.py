@@ -90,3 +90,14 @@ def test_single_bucket_keeps_the_plain_epoch_order():
     batches = MicroBatches(examples, 2, 1, None, None, "uniform", torch.device("cpu"))
     flat = [i for m in range(5) for i in batches._indices(m)]
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
+
+
+def test_folder_fingerprint_follows_file_changes(tmp_path):
+    from pipetrainer.training.dataset import folder_fingerprint
+
+    (tmp_path / "a.png").write_bytes(b"x")
+    (tmp_path / "a.txt").write_text("one", encoding="utf-8")
+    first = folder_fingerprint(tmp_path)
+    assert folder_fingerprint(tmp_path) == first
+    (tmp_path / "a.txt").write_text("a longer caption", encoding="utf-8")
+    assert folder_fingerprint(tmp_path) != first

@@ -8,6 +8,7 @@ cache can place every item; see ``cache/buckets.py`` for the arithmetic.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,21 @@ class DatasetSpec:
         if self.empty_captions:
             lines.append(f"{len(self.empty_captions)} trained with an empty caption: {', '.join(self.empty_captions)}")
         return "\n".join(lines + list(self.notes))
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """Names, sizes and mtimes of the folder's files: changes when a file or caption is edited, added or
+    removed, so ComfyUI re-runs the Dataset node (and the cache after it) instead of reusing its output."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with os.scandir(folder) as listing:
+            for e in sorted(listing, key=lambda e: e.name):
+                if e.is_file():
+                    st = e.stat()
+                    h.update(f"{e.name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    except OSError as exc:
+        h.update(f"unreadable: {exc}".encode())
+    return h.hexdigest()
 
 
 def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,6 +40,19 @@ def read_entries(index_file: str | Path, keys: Iterable[str]) -> dict[str, dict[
         try:
             out[key] = unpack(read_span(index_file.parent / "shards" / shard, offset, length, digest))
         except (CorruptRecord, OSError) as exc:
+            _forget_shard_state(index_file, shard)
             raise CacheReadError(f"Cached item {key} is damaged ({exc}): run the 'Cache Latents & Text' node "
                                  "again; it detects damaged entries and re-encodes them.") from None
     return out
+
+
+def _forget_shard_state(index_file: Path, shard: str) -> None:
+    """Make the next cache run checksum ``shard`` again even if its size and mtime look unchanged."""
+    try:
+        db = connect(index_file)
+        try:
+            db.execute("DELETE FROM shards WHERE name=?", (shard,))
+        finally:
+            db.close()
+    except sqlite3.Error:
+        pass  # a read-only cache folder: the error message still tells the user what to do
