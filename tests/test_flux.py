@@ -342,13 +342,23 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
         assert (ref - plain).abs().max().item() > 10 * 1e-4 * scale
 
 
-@pytest.mark.slow
-def test_min_flux_trains_in_the_real_training_process(flux_path, demo_cache, comfy_root, tmp_path):
-    spec = make_spec(flux_path, demo_cache.items, tmp_path / "run", comfy_root, steps=3,
+def _train_min_flux(flux_path, demo_cache, comfy_root, run_dir, stages: int):
+    spec = make_spec(flux_path, demo_cache.items, run_dir, comfy_root, steps=3, pipeline_stages=stages,
                      lora=LoraSpec(rank=4, alpha=4.0, targets="attention"))
     code, events = run_training(spec, timeout=900)
-    errors = [e for e in events if e["type"] == "error"]
-    assert code == 0, errors
+    assert code == 0, [e for e in events if e["type"] == "error"]
+    return spec, events
+
+
+@pytest.fixture(scope="module")
+def one_stage_run(flux_path, demo_cache, comfy_root, tmp_path_factory):
+    """Three steps of Flux-min in the real training process tree, one pipeline stage."""
+    return _train_min_flux(flux_path, demo_cache, comfy_root, tmp_path_factory.mktemp("flux1") / "run", 1)
+
+
+@pytest.mark.slow
+def test_min_flux_trains_in_the_real_training_process(one_stage_run, flux_path):
+    spec, events = one_stage_run
     setup = next(e for e in events if e["type"] == "setup")
     assert setup["family"] == "Flux"
     values = losses(events)
@@ -368,3 +378,16 @@ def test_min_flux_trains_in_the_real_training_process(flux_path, demo_cache, com
     with safe_open(spec.lora_output, "pt") as f:
         assert f.metadata()["family"] == "Flux"
     assert any(v.abs().max() > 0 for k, v in saved.items() if k.endswith("lora_B.weight"))
+
+
+@pytest.mark.slow
+def test_min_flux_two_stage_pipeline_equals_one_stage(one_stage_run, flux_path, demo_cache, comfy_root, tmp_path):
+    """Split after the double block, every stage tuple crosses a real gloo boundary: same losses, same LoRA."""
+    one_spec, one_events = one_stage_run
+    spec, events = _train_min_flux(flux_path, demo_cache, comfy_root, tmp_path / "run", 2)
+    setup = next(e for e in events if e["type"] == "setup")
+    assert setup["world_size"] == 2
+    assert setup["partition"] == [0, 3, 5]  # (inputs, embed, double block) | (single block, final)
+    assert losses(events) == losses(one_events)  # bit-identical in fp32
+    one, two = load_file(one_spec.lora_output), load_file(spec.lora_output)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
