@@ -92,6 +92,38 @@ def media_problems(paths: Iterable[str], checks: Mapping[str, MediaCheck] | None
             "Re-export or remove them, then run 'Cache Latents & Text' again."]
 
 
+def unchanged_since_cached(items: Iterable[CacheItem]) -> set[str]:
+    """Sources whose size and mtime still match what the cache index recorded when it decoded them.
+
+    Those decoded fine moments ago and need no second decode; the others (plain-file caches, files
+    changed since) are checked with :func:`media_problems`, so preflight stays cheap on large datasets.
+    """
+    import sqlite3
+
+    from ..training.cache.index import connect
+
+    items = tuple(items)
+    indexes = {item.latent_file for item in items if getattr(item, "latent_key", "") and os.path.isfile(item.latent_file)}
+    known: dict[str, tuple[int, int]] = {}
+    for index_file in indexes:
+        db = connect(Path(index_file), readonly=True)
+        try:
+            known.update({row[0]: (row[1], row[2]) for row in db.execute("SELECT path, size, mtime_ns FROM sources")})
+        except sqlite3.Error:
+            pass
+        finally:
+            db.close()
+    unchanged = set()
+    for source in {item.source for item in items}:
+        try:
+            st = os.stat(source)
+        except OSError:
+            continue
+        if known.get(source) == (st.st_size, st.st_mtime_ns):
+            unchanged.add(source)
+    return unchanged
+
+
 def dropped_item_problems(dropped: Sequence[str]) -> list[str]:
     """The items the cache left out (unreadable, or lost to bucket rounding), which would silently be missing."""
     if not dropped:
@@ -380,7 +412,8 @@ def train_problems(model, cache, lora: LoraSpec, train: TrainSpec, runs_root: st
     problems = deepspeed_problems(importlib.util.find_spec("deepspeed") is not None, sys.platform)
     problems += empty_dataset_problems(len(items))
     problems += dropped_item_problems(tuple(getattr(report, "skipped", ())))
-    problems += media_problems(dict.fromkeys(item.source for item in items))
+    unchanged = unchanged_since_cached(items)
+    problems += media_problems(dict.fromkeys(item.source for item in items if item.source not in unchanged))
     shapes = read_cached_shapes(items)
     problems += unreadable_cache_problems(shapes.unreadable)
     inputs = model_inputs(model)

@@ -246,7 +246,7 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
     ("absolute LoRA path", _lora_name("/tmp/evil"), ("must be a plain file name",)),
     ("reserved LoRA name", _lora_name("con.safetensors"), ("reserved device name",)),
     ("empty LoRA name", _lora_name("  "), ("lora_name is empty",)),
-    ("more stages than devices", _too_many_stages, ("pipeline_stages=64 is more than this machine can run",)),
+    ("more stages than devices", _too_many_stages, ("64 ranks is more than this machine can run",)),
     ("DeepSpeed missing (native Windows)", _deepspeed_missing, ("DeepSpeed is not installed", "WSL2", "pip install")),
     ("not enough disk", _disk_full, ("Not enough free disk for checkpoints and LoRA files", "GiB free")),
 ]
@@ -276,7 +276,7 @@ def test_every_problem_is_reported_at_once(setup):
                          skipped=("lost.png: unreadable",))
     s = dataclasses.replace(s, lora_name="../up", settings={**s.settings, "pipeline_stages": 64})
     message = _error(s.build)
-    for fragment in ("plain file name", "pipeline_stages=64", "lost.png", "garbage.png", "4 channels",
+    for fragment in ("plain file name", "64 ranks", "lost.png", "garbage.png", "4 channels",
                      "patch size 2", "1024 wide"):
         assert fragment in message, (fragment, message)
     assert message.count("\n- ") >= 7
@@ -339,3 +339,20 @@ def test_the_cache_node_checks_disk_then_caches(encoders, fixture_paths):
     vae, clip = encoders
     result = PipeTrainerCache.execute(scan_dataset(fixture_paths.dataset, 64), vae, clip).result[0]
     assert result.items
+
+
+def test_sources_unchanged_since_caching_are_not_decoded_again(encoders, fixture_paths, tmp_path):
+    import os
+
+    from pipetrainer.nodes.preflight import unchanged_since_cached
+    from pipetrainer.training.cache.store import build_cache
+
+    data = tmp_path / "data"
+    shutil.copytree(fixture_paths.dataset, data)
+    vae, clip = encoders
+    cache = build_cache(scan_dataset(data, 64), vae, clip, tmp_path / "cache")
+    sources = {item.source for item in cache.items}
+    assert unchanged_since_cached(cache.items) == sources
+    touched = sorted(sources)[0]
+    os.utime(touched, ns=(0, 10**9))
+    assert unchanged_since_cached(cache.items) == sources - {touched}
