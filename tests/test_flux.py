@@ -19,9 +19,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.utils.checkpoint
-from safetensors import safe_open
-from safetensors.torch import load_file
-
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.data import load_examples
 from pipetrainer.training.lora_file import atomic_save, lora_state_dict
@@ -29,7 +26,8 @@ from pipetrainer.training.lora_inject import inject_lora, named_lora_parameters
 from pipetrainer.training.pipelines.base import adapter_for, family_name_for
 from pipetrainer.training.pipelines.flux import DEFAULT_GUIDANCE, FluxAdapter
 from pipetrainer.training.spec import LoraSpec
-
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 # ---- helpers ---------------------------------------------------------------------------------
 
@@ -239,6 +237,13 @@ def test_flux_relatives_are_refused_with_a_clear_error(comfy_root):
     )
     with pytest.raises(NotImplementedError, match="Flux.2"):
         FluxAdapter().stage_layers(flux2)
+    fill = Flux(
+        in_channels=8, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0,
+        num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=True, operations=torch.nn,
+    )
+    with pytest.raises(NotImplementedError, match="Fill"):
+        FluxAdapter().stage_layers(fill)
     with pytest.raises(NotImplementedError, match="cannot train"):
         FluxAdapter().stage_layers(torch.nn.Linear(2, 2))
 
@@ -334,7 +339,7 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
             reference = [comfy_forward(n) for n in noisy]
         finally:
             with_lora.unpatch_model()
-    for got, ref, plain in zip(ours, reference, base):
+    for got, ref, plain in zip(ours, reference, base, strict=True):
         assert got.shape == ref.shape
         scale = ref.abs().max().item()
         diff = (got - ref).abs().max().item()

@@ -52,6 +52,11 @@ def _check_supported(dm: nn.Module) -> None:
             "Flux.2-style models (shared modulation, 4 rotary axes) are not supported yet; "
             "Flux.1 models (dev, schnell and their fine-tunes) are."
         )
+    if dm.params.in_channels != dm.params.out_channels:
+        raise NotImplementedError(
+            "Flux models with image conditioning concatenated to the latent (Fill, Canny, Depth) are not "
+            "supported yet; Flux.1 text-to-image models are."
+        )
     if not hasattr(dm, "final_layer"):
         raise NotImplementedError("This Flux model has no final layer (a feature extractor); it cannot be trained.")
 
