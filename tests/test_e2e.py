@@ -119,3 +119,15 @@ def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_roo
     assert load_file(saved[-1]["path"])
     assert not (comfy_root / "models" / "loras" / f"{name}.safetensors").exists()
     assert not (run_dir / ".rendezvous").exists()
+
+    # Queue the same LoRA again: it resumes from the cancelled run's checkpoint and finishes.
+    stopped_at = stopped[-1]["step"]
+    again = _workflow(name, steps=stopped_at + 3)
+    again[TRAIN_NODE]["inputs"]["resume"] = True
+    entry = server.wait(server.queue(again), timeout=600)
+    assert history_error(entry) is None, server.log_tail()
+    resumed_dir = [d for d in _run_dirs(comfy_root, name) if d != run_dir][0]
+    events = read_all(resumed_dir)
+    assert [e["resumed_step"] for e in events if e["type"] == "setup"] == [stopped_at]
+    assert [e["step"] for e in events if e["type"] == "step"] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+    assert (comfy_root / "models" / "loras" / f"{name}.safetensors").exists()
