@@ -356,3 +356,31 @@ def test_sources_unchanged_since_caching_are_not_decoded_again(encoders, fixture
     touched = sorted(sources)[0]
     os.utime(touched, ns=(0, 10**9))
     assert unchanged_since_cached(cache.items) == sources - {touched}
+
+
+@pytest.mark.slow
+def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, comfy_root, fixture_paths):
+    """Queued through ComfyUI: an unreadable image plus a resolution too small for the model, in one error."""
+    import json
+    import uuid
+
+    from pipetrainer.devkit.host import history_error
+
+    folder = f"preflight_{uuid.uuid4().hex[:8]}"
+    data = comfy_root / "input" / folder
+    shutil.copytree(fixture_paths.dataset, data)
+    (data / "broken.jpg").write_bytes(b"not a jpeg")
+    (data / "broken.txt").write_text("broken", encoding="utf-8")
+    lora_name = f"preflight-{uuid.uuid4().hex[:6]}"
+    prompt = json.loads((Path(__file__).resolve().parent.parent / "workflows" / "pipetrainer_tiny_mmdit_api.json")
+                        .read_text())
+    prompt["4"]["inputs"].update(folder=folder, resolution=64, extra_resolutions="32")
+    prompt["8"]["inputs"].update(lora_name=lora_name, steps=2)
+    try:
+        error = history_error(server.wait(server.queue(prompt), 600))
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    assert error is not None and "Invalid training setup" in error, error
+    assert "broken.jpg" in error and "dropped while caching" in error, error
+    assert "4x4 are too small" in error and "Raise the resolution" in error, error
+    assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{lora_name}-*"))  # nothing launched
