@@ -266,9 +266,15 @@ class Trainer:
 
     def _load_checkpoint(self, checkpoint: str) -> None:
         ckpt = Path(checkpoint)
-        _, client = self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_module_strict=False)
+        advice = ("it is incomplete or from a run with other settings; resume from another checkpoint "
+                  "or start without resume")
+        try:
+            _, client = self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_module_strict=False)
+        except Exception as exc:  # DeepSpeed asserts (no message) on missing stage files
+            raise RuntimeError(f"Could not load the checkpoint {checkpoint} on pipeline stage {self.stage_id} "
+                               f"({type(exc).__name__}: {exc}): {advice}.") from exc
         if client is None:
-            raise RuntimeError(f"Could not load the checkpoint {checkpoint}: it is incomplete or from another run.")
+            raise RuntimeError(f"Could not load the checkpoint {checkpoint}: {advice}.")
         self.step = int(client["step"])
 
 
