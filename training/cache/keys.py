@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 LATENT_SCALING = "raw"  # stored as the VAE returns it; the model's process_latent_in runs at train time
 
 _CHANGE_NAMES = {
@@ -26,11 +26,12 @@ _CHANGE_NAMES = {
 }
 
 
-def _digest(fields: dict) -> str:
-    return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=20).hexdigest()
+def _hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
 
 def latent_components(source_digest: str, preprocessing: dict, vae_identity: str) -> dict:
+    """Everything a latent depends on, by name (kept beside the key to explain re-encodes)."""
     return {"kind": "latent", "v": CACHE_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
             "vae": vae_identity, "scaling": LATENT_SCALING}
 
@@ -39,8 +40,21 @@ def text_components(caption: str, encoder_identity: str) -> dict:
     return {"kind": "text", "v": CACHE_FORMAT_VERSION, "caption": caption, "encoder": encoder_identity}
 
 
-def key_of(components: dict) -> str:
-    return _digest(components)
+def prep_signature(preprocessing: dict) -> str:
+    """Canonical text of a preprocessing dict; shared by every item of a bucket, so computed once per bucket."""
+    return json.dumps(preprocessing, sort_keys=True)
+
+
+def latent_key(source_digest: str, prep_sig: str, vae_identity: str) -> str:
+    """The key of :func:`latent_components` (fields joined in a fixed order: revalidating 10,000 items
+    must not spend its budget on JSON)."""
+    fields = ("latent", str(CACHE_FORMAT_VERSION), LATENT_SCALING, json.dumps(vae_identity), prep_sig, source_digest)
+    return _hash("\x1f".join(fields))
+
+
+def text_key(caption: str, encoder_identity: str) -> str:
+    """The key of :func:`text_components`; the caption comes last, so no caption can mimic another field."""
+    return _hash("\x1f".join(("text", str(CACHE_FORMAT_VERSION), json.dumps(encoder_identity), caption)))
 
 
 def change_reason(old: dict, new: dict) -> str:

@@ -24,7 +24,7 @@ from ..spec import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
 from .encoders import ComfyEncoders, Encoders
 from .index import CacheIndex, Entry, Source
-from .keys import change_reason, key_of, latent_components, text_components
+from .keys import change_reason, latent_components, latent_key, prep_signature, text_components, text_key
 from .media import Probe, load_image, load_video, probe_image, probe_video
 from .shards import ShardWriter, checksum, pack
 
@@ -84,8 +84,8 @@ class _Planned:
     entry: ImageEntry
     slot: int  # resolution index
     bucket: Bucket
-    latent: dict  # key components
-    text: dict
+    digest: str  # the source's content digest
+    prep: dict
     latent_key: str
     text_key: str
 
@@ -182,6 +182,7 @@ class _Filler:
         self.report.notes.extend(plan.notes)
         vae_id, text_id = self.encoders.latent_identity(), self.encoders.text_identity()
         known = self.index.sources()
+        preps: dict[Bucket, tuple[dict, str]] = {}
         out = []
         for entry in self.dataset.entries:
             name = os.path.basename(entry.path)
@@ -190,21 +191,29 @@ class _Filler:
             except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
                 self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
                 continue
-            text = text_components(entry.caption, text_id)
-            text_key = key_of(text)
+            tkey = text_key(entry.caption, text_id)
+            video = entry.is_video
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
-                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames) if entry.is_video else 1
+                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames) if video else 1
                 bucket = Bucket(spatial.width, spatial.height, frames)
                 lost = crop_fraction(probe.width, probe.height, bucket)
                 if lost > CROP_NOTE_THRESHOLD:
                     self.report.notes.append(f"{name}: {lost:.0%} of the picture is cropped away to fit bucket "
                                              f"{bucket.name}; widen min/max ratio or add buckets to keep it.")
-                prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
-                        "resize": "lanczos", "fps": s.fps if entry.is_video else None}
-                latent = latent_components(digest, prep, vae_id)
-                out.append(_Planned(entry, i, bucket, latent, text, key_of(latent), text_key))
+                if bucket not in preps:
+                    prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
+                            "resize": "lanczos", "fps": s.fps if video else None}
+                    preps[bucket] = (prep, prep_signature(prep))
+                prep, sig = preps[bucket]
+                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id), tkey))
         return out
+
+    def components(self, p: _Planned, kind: str) -> dict:
+        """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
+        if kind == "latent":
+            return latent_components(p.digest, p.prep, self.encoders.latent_identity())
+        return text_components(p.entry.caption, self.encoders.text_identity())
 
     # ---- phase 3: encode --------------------------------------------------------------------
     def _encode(self, key: str, kind: str, planned: _Planned) -> None:
@@ -252,7 +261,7 @@ class _Filler:
         if key in self.damaged:
             why = self.damaged[key]
         elif old is not None:
-            why = change_reason(json.loads(old[1]), planned.latent if kind == "latent" else planned.text)
+            why = change_reason(json.loads(old[1]), self.components(planned, kind))
         else:
             self.report.cached[kind] += 1
             return
@@ -306,9 +315,9 @@ class _Filler:
                     skipped_files.add(p.entry.path)
                     self.report.skipped.append(f"{Path(p.entry.path).name}: {why or 'not cached'}")
                 continue
-            for kind, key, comps in (("latent", lkey, p.latent), ("text", tkey, p.text)):
+            for kind, key in (("latent", lkey), ("text", tkey)):
                 if slots.get(_slot(p, kind), ("",))[0] != key:
-                    changed_slots.append((_slot(p, kind), key, comps))
+                    changed_slots.append((_slot(p, kind), key, self.components(p, kind)))
             if not shapes[0]:
                 lat, txt = json.loads(self.index.entry(lkey).shapes), json.loads(self.index.entry(tkey).shapes)
                 shapes = (lat["latent"][0], txt["cond"][-1], txt["pooled"][-1] if "pooled" in txt else 0)
