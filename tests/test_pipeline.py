@@ -148,6 +148,26 @@ def test_two_machines_on_loopback_with_the_exported_torchrun_command(two_stage, 
 
 
 @pytest.mark.slow
+def test_the_exported_deepspeed_launcher_script_trains_with_a_hostfile(two_stage, tmp_path):
+    """DeepSpeed's launcher (hostfile, --no_local_rank) starts the same rank entry; one host here."""
+    spec, events = two_stage
+    run = make_spec(Path(spec.model.path), spec.items, tmp_path / "ds", Path(spec.comfyui_path),
+                    pipeline_stages=2, **{**SETTINGS, "steps": 3})
+    from pipetrainer.training.cluster import write_cluster_bundle
+
+    bundle = write_cluster_bundle(run, ENTRY, nodes=1)
+    (bundle / "hostfile").write_text("localhost slots=2\n")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "DEEPSPEED_ARGS": "--no_ssh_check",  # one host: no ssh to itself
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", str(bundle / "launch_deepspeed.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert losses(read_all(run.run_dir)) == losses(events)[:3]
+    assert not _leftover_processes(Path(run.run_dir))
+
+
+@pytest.mark.slow
 def test_two_pipelines_at_once_do_not_collide(two_stage, tmp_path):
     spec, events = two_stage
     specs = [make_spec(Path(spec.model.path), spec.items, tmp_path / f"run{i}", Path(spec.comfyui_path),

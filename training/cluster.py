@@ -18,6 +18,7 @@ from .spec import RunSpec
 
 CLUSTER_DIR = "cluster"
 DEFAULT_MASTER_PORT = 29500
+LAUNCHER_ARGS = "${DEEPSPEED_ARGS:-}"  # extra launcher options, word-split by the shell (e.g. --no_ssh_check)
 
 
 def cluster_spec(spec: RunSpec) -> RunSpec:
@@ -44,7 +45,7 @@ def torchrun_command(entry: str | Path, spec_path: str | Path, *, nodes: int, no
 def deepspeed_command(entry: str | Path, spec_path: str | Path, *, hostfile: str | Path, master_addr: str,
                       master_port: int | str) -> list[str]:
     """DeepSpeed's multi-node launcher, run once on the first machine of ``hostfile``."""
-    return ["deepspeed", "--hostfile", str(hostfile), "--master_addr", master_addr, "--master_port",
+    return ["deepspeed", LAUNCHER_ARGS, "--hostfile", str(hostfile), "--master_addr", master_addr, "--master_port",
             str(master_port), "--no_local_rank", str(entry), "rank", str(spec_path)]
 
 
@@ -84,6 +85,7 @@ def write_cluster_bundle(spec: RunSpec, entry: str | Path, nodes: int | None = N
                           python="${PYTHON:-python}")
     _write_script(folder / "launch_deepspeed.sh",
                   header + "# Run once, on the first machine listed in the hostfile (needs pdsh or ssh to the others).\n"
+                  "# DEEPSPEED_ARGS adds launcher options, e.g. --no_ssh_check for a single-machine hostfile.\n"
                   + _shell(ds))
     _write_script(folder / "launch_torchrun.sh",
                   header + "# Run on every machine with NODE_RANK=0..N-1 (0 on the MASTER_ADDR machine).\n"
@@ -93,7 +95,8 @@ def write_cluster_bundle(spec: RunSpec, entry: str | Path, nodes: int | None = N
 
 def _shell(argv: list[str]) -> str:
     """Quote words, but leave ``$VAR`` / ``${...}`` words to the shell (double quotes)."""
-    return "exec " + " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv) + "\n"
+    return "exec " + " ".join(a if a == LAUNCHER_ARGS else f'"{a}"' if "$" in a else shlex.quote(a)
+                              for a in argv) + "\n"
 
 
 def _write_script(path: Path, text: str) -> None:
