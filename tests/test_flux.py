@@ -281,50 +281,22 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
     asserted to move it by over 10x the tolerance, so the comparison cannot pass without the LoRA.
     """
     import comfy.lora
-    import comfy.model_management
     import comfy.sd
     import comfy.utils
 
     lora = LoraSpec(rank=4, alpha=8.0, targets="all_linear")
     sigma = torch.tensor([0.7])
     g = torch.Generator().manual_seed(11)
-
-    # Adapter side: stage layers over the model, LoRA injected with PEFT, random non-zero lora_B.
     patcher, _ = _load_flux(flux_path)
-    model = patcher.model
+    model, dm = patcher.model, patcher.model.diffusion_model
+    original_keys = set(dm.state_dict())
     x0, cond, pooled = _demo_example(demo_cache, model)
     odd = torch.randn(1, 16, 9, 7, generator=g)  # padding and crop path
-    cases = [x0, odd]
     noisy = [model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1), torch.randn(c.shape, generator=g), c)
-             for c in cases]
+             for c in (x0, odd)]
     timestep = model.model_sampling.timestep(sigma).float()
-    adapter = adapter_for(family_name_for(model))
-    layers = list(enumerate(adapter.stage_layers(model.diffusion_model), start=1))
-    count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
-    assert count == 13  # double block: 4 attention, 4 MLP, 2 modulation Linears; single block: 3
-    with torch.no_grad():
-        for name, p in named_lora_parameters(torch.nn.ModuleDict({str(i): m for i, m in layers})).items():
-            if ".lora_B." in name:
-                p.normal_(0.0, 0.01, generator=g)
-        ours = [_run_layers([m for _, m in layers], adapter.first_stage_inputs(n, timestep, cond, pooled))
-                for n in noisy]
-    params = named_lora_parameters(torch.nn.ModuleDict({str(i): m for i, m in layers}))
-    tensors = lora_state_dict(params, {i: m.comfy_paths for i, m in layers}, lora.alpha)
-    lora_path = atomic_save(tensors, tmp_path / "flux-lora.safetensors", {"family": "Flux"})
-    del patcher, model, layers, params
-    comfy.model_management.soft_empty_cache()
-
-    # ComfyUI side: a fresh model, the file through the stock loader, ComfyUI's own forward.
-    patcher, _ = _load_flux(flux_path)
-    sd = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    with _captured_warnings() as warnings:
-        patches = comfy.lora.load_lora(sd, key_map)
-    assert not [w for w in warnings if "lora key not loaded" in w], warnings
-    assert len(patches) == count and all(k.startswith("diffusion_model.") for k in patches)
-    dm = patcher.model.diffusion_model
     # The conditioning exactly as ComfyUI's samplers build it from a CLIP-L CONDITIONING.
-    conds = patcher.model.extra_conds(noise=x0, device=torch.device("cpu"), cross_attn=cond, pooled_output=pooled)
+    conds = model.extra_conds(noise=x0, device=torch.device("cpu"), cross_attn=cond, pooled_output=pooled)
     assert conds["guidance"].cond.item() == DEFAULT_GUIDANCE  # the adapter trains with ComfyUI's default
 
     def comfy_forward(n):
@@ -333,6 +305,32 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
 
     with torch.no_grad():
         base = [comfy_forward(n) for n in noisy]
+
+    # Adapter side: stage layers over the model, LoRA injected with PEFT, random non-zero lora_B.
+    adapter = adapter_for(family_name_for(model))
+    layers = list(enumerate(adapter.stage_layers(dm), start=1))
+    count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
+    assert count == 13  # double block: 4 attention, 4 MLP, 2 modulation Linears; single block: 3
+    params = named_lora_parameters(torch.nn.ModuleDict({str(i): m for i, m in layers}))
+    with torch.no_grad():
+        for name, p in params.items():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.01, generator=g)
+        ours = [_run_layers([m for _, m in layers], adapter.first_stage_inputs(n, timestep, cond, pooled))
+                for n in noisy]
+    tensors = lora_state_dict(params, {i: m.comfy_paths for i, m in layers}, lora.alpha)
+    lora_path = atomic_save(tensors, tmp_path / "flux-lora.safetensors", {"family": "Flux"})
+
+    # ComfyUI side: the same model with its original Linears back, the file through the stock loader.
+    _restore_base_layers(dm)
+    assert set(dm.state_dict()) == original_keys
+    sd = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
+    key_map = comfy.lora.model_lora_keys_unet(model, {})
+    with _captured_warnings() as warnings:
+        patches = comfy.lora.load_lora(sd, key_map)
+    assert not [w for w in warnings if "lora key not loaded" in w], warnings
+    assert len(patches) == count and all(k.startswith("diffusion_model.") for k in patches)
+    with torch.no_grad():
         with_lora, _ = comfy.sd.load_lora_for_models(patcher, None, sd, 1.0, 0)
         with_lora.patch_model()
         try:
@@ -345,6 +343,17 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
         diff = (got - ref).abs().max().item()
         assert diff <= 1e-4 * scale, (diff, scale)
         assert (ref - plain).abs().max().item() > 10 * 1e-4 * scale
+
+
+def _restore_base_layers(root: torch.nn.Module) -> None:
+    """Undo PEFT injection: put each wrapped Linear (its ``base_layer``, weights untouched) back in place."""
+    from peft.tuners.lora import LoraLayer
+
+    wrapped = [name for name, m in root.named_modules() if isinstance(m, LoraLayer)]
+    for name in wrapped:
+        parent, _, attr = name.rpartition(".")
+        holder = root.get_submodule(parent)
+        setattr(holder, attr, getattr(holder, attr).get_base_layer())
 
 
 def _train_min_flux(flux_path, demo_cache, comfy_root, run_dir, stages: int):
