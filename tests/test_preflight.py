@@ -384,3 +384,25 @@ def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, c
     assert "broken.jpg" in error and "dropped while caching" in error, error
     assert "4x4 are too small" in error and "Raise the resolution" in error, error
     assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{lora_name}-*"))  # nothing launched
+
+
+def test_every_family_describes_its_inputs_so_no_check_is_skipped():
+    from pipetrainer.nodes.preflight import DescribesConditioning
+    from pipetrainer.training.pipelines.base import adapter_for, known_families
+
+    for family in known_families():
+        assert isinstance(adapter_for(family), DescribesConditioning), family
+
+
+def test_preflight_stays_fast_on_a_large_cache(setup):
+    import time
+
+    from pipetrainer.nodes.preflight import train_problems
+
+    items = setup.cache.items * 500  # repeats: each distinct entry and source is read once
+    big = setup.with_items(*items)
+    started = time.monotonic()
+    problems = train_problems(big.model, big.cache, LoraSpec(rank=4), TrainSpec(steps=10), str(setup.tmp))
+    took = time.monotonic() - started
+    print(f"\npreflight of {len(items)} items ({len(set(items))} distinct): {took:.2f} s")
+    assert problems == [] and took < 10
