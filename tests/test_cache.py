@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from pipetrainer.training.cache.reader import CacheReadError
 from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.data import load_examples
@@ -68,7 +67,6 @@ def test_changed_caption_reencodes_only_that_text(work, encoders):
 def test_swapped_vae_reencodes_every_latent(work, encoders, tmp_path):
     import comfy.sd
     import comfy.utils
-
     from pipetrainer.devkit.fixtures import build_tiny_taesd16
 
     _cache(work, encoders)

@@ -9,7 +9,6 @@ import uuid
 
 import pytest
 from PIL import Image
-
 from pipetrainer.devkit.host import history_error
 
 

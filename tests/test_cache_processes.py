@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
 from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.data import load_examples
 from pipetrainer.training.dataset import scan_dataset

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
 from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.dataset import BucketSettings, scan_dataset
 

@@ -6,9 +6,12 @@ import math
 
 import pytest
 import torch
-
 from pipetrainer.training.cache.buckets import (
-    Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets,
+    Bucket,
+    crop_fraction,
+    frame_bucket,
+    nearest_bucket,
+    plan_buckets,
 )
 from pipetrainer.training.data import Example, MicroBatches
 from pipetrainer.training.dataset import BucketSettings, DatasetError, scan_dataset
@@ -19,7 +22,7 @@ def test_buckets_are_log_spaced_and_rounded_to_the_multiple():
     buckets = plan.by_resolution[512]
     assert [b.name for b in buckets] == ["256x1024x1", "384x704x1", "512x512x1", "704x384x1", "1024x256x1"]
     ratios = [b.width / b.height for b in buckets]
-    steps = [math.log(b / a) for a, b in zip(ratios, ratios[1:])]
+    steps = [math.log(b / a) for a, b in zip(ratios, ratios[1:], strict=False)]
     assert max(steps) - min(steps) < 0.2  # evenly spaced in log space, up to rounding to 64 px
     assert all(b.width % 64 == 0 and b.height % 64 == 0 for b in buckets)
 
