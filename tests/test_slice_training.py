@@ -7,8 +7,7 @@ import statistics
 import torch
 from safetensors.torch import load_file
 
-from helpers import losses, make_spec, run_training
-
+from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.spec import LoraSpec, OptimizerSpec
 
 
