@@ -30,17 +30,18 @@ def import_pack():
 
 def build_items(workdir: Path):
     """Cache the demo dataset at 64 px with the tiny VAE and CLIP (ComfyUI's own loaders)."""
-    import comfy.sd
-    import comfy.utils
-
     from pipetrainer.devkit.fixtures import ensure_fixtures
     from pipetrainer.devkit.host import ensure_host
-    from pipetrainer.training.cache.store import build_cache
     from pipetrainer.training.comfy_env import use_comfyui
-    from pipetrainer.training.dataset import scan_dataset
 
     root = ensure_host()
     use_comfyui(root, "cpu")
+    import comfy.sd
+    import comfy.utils
+
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.dataset import scan_dataset
+
     fixtures = ensure_fixtures(root)
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(fixtures.vae)))
     clip = comfy.sd.load_clip([str(fixtures.clip)], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION)
