@@ -38,7 +38,6 @@ def build_items(workdir: Path):
     use_comfyui(root, "cpu")
     import comfy.sd
     import comfy.utils
-
     from pipetrainer.training.cache.store import build_cache
     from pipetrainer.training.dataset import scan_dataset
 

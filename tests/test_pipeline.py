@@ -19,12 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from pipetrainer.devkit.host import free_port
-from pipetrainer.training.events import read_all
 from pipetrainer.tests.helpers import ENTRY, losses, make_spec, run_training
+from pipetrainer.training.events import read_all
 from pipetrainer.training.rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from safetensors.torch import load_file
 
 STEPS = 6
 SETTINGS = dict(steps=STEPS, grad_accum=2, max_grad_norm=1e-3, seed=3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 from pipetrainer.patches import deepspeed_pipe_backward as patch
 from pipetrainer.training.clipping import clip_by_global_norm, squared_norms
 
@@ -35,12 +34,12 @@ def test_clipping_matches_torch_on_one_process():
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=True):
         p.grad = torch.randn_like(p) * 3
         q.grad = p.grad.clone()
     norm = clip_by_global_norm(a, 0.5)
     ref = torch.nn.utils.clip_grad_norm_(b, 0.5)
     assert abs(norm - float(ref)) < 1e-5
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert squared_norms([]).numel() == 0

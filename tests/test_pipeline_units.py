@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from pipetrainer.tests.helpers import ENTRY, make_spec
 from pipetrainer.training.cluster import ranks_per_node, torchrun_command, write_cluster_bundle
 from pipetrainer.training.partition import StageWithoutLoraError, describe, require_lora_on_every_stage, write_plan

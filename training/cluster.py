@@ -80,7 +80,7 @@ def write_cluster_bundle(spec: RunSpec, entry: str | Path, nodes: int | None = N
     )
     ds = deepspeed_command("$ENTRY", "$SPEC", hostfile=f"${{HOSTFILE:-{hostfile}}}",
                            master_addr="$MASTER_ADDR", master_port="$MASTER_PORT")
-    tr = torchrun_command("$ENTRY", "$SPEC", nodes=nodes, node_rank="${NODE_RANK:?set NODE_RANK (0..%d)}" % (nodes - 1),
+    tr = torchrun_command("$ENTRY", "$SPEC", nodes=nodes, node_rank=f"${{NODE_RANK:?set NODE_RANK (0..{nodes - 1})}}",
                           nproc_per_node=slots, master_addr="$MASTER_ADDR", master_port="$MASTER_PORT",
                           python="${PYTHON:-python}")
     _write_script(folder / "launch_deepspeed.sh",

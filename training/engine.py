@@ -21,10 +21,10 @@ from ..patches.deepspeed_pipe_backward import use_single_backward
 from .clipping import GlobalNormClipping
 from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
-from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .lora_file import atomic_save, lora_state_dict
 from .lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
 from .loss import mse_loss
+from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .pipelines.base import adapter_for, family_name_for
 from .spec import RunSpec
 

@@ -53,7 +53,7 @@ def describe(layers: Sequence[object], boundaries: Sequence[int], target_regex: 
         StagePlan(stage=s, first_layer=int(a), end_layer=int(b),
                   layers=tuple(layer_name(layers[i]) for i in range(a, b)),
                   parameters=sum(params[a:b]), lora_targets=sum(targets[a:b]))
-        for s, (a, b) in enumerate(zip(boundaries[:-1], boundaries[1:]))
+        for s, (a, b) in enumerate(zip(boundaries[:-1], boundaries[1:], strict=False))
     ]
 
 
