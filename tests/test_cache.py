@@ -6,12 +6,14 @@ dataset folder and cache folder, so only the encodes a test causes are paid for.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from pipetrainer.training.cache.reader import CacheReadError
 from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.data import load_examples
@@ -140,8 +142,6 @@ def test_one_bad_file_is_skipped_with_its_reason(work, encoders):
 
 
 def test_aspect_buckets_and_multi_resolution(work, encoders):
-    from PIL import Image
-
     data, _ = work
     Image.new("RGB", (128, 64), (200, 10, 10)).save(data / "wide.png")
     (data / "wide.txt").write_text("a wide red picture", encoding="utf-8")
@@ -203,3 +203,21 @@ def test_silent_corruption_found_by_training_is_repaired_by_the_next_cache_run(w
     r = _cache(work, encoders).report  # training's read marked the shard for a re-check
     assert sum(r.reencoded_kinds.values()) == 1 and "checksum mismatch" in r.reencoded[0]
     assert len(load_examples(_cache(work, encoders).items)) == 4
+
+
+def test_a_different_file_with_the_same_size_and_mtime_is_not_trusted(work, encoders):
+    data, _ = work
+    _cache(work, encoders)
+    a = data / "demo_00.png"
+    st = a.stat()
+    other = io.BytesIO()
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(other, format="PNG")
+    assert len(other.getvalue()) <= st.st_size
+    replacement = data / "incoming.bin"
+    replacement.write_bytes(other.getvalue().ljust(st.st_size, b"\0"))  # decoders ignore bytes after IEND
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))  # what `cp -p` / `rsync -t` leave behind
+    os.replace(replacement, a)
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    r = _cache(work, encoders).report
+    assert r.rehashed == ["demo_00.png"] and r.skipped == []
+    assert r.reencoded == ["demo_00.png latent: source bytes changed"]

@@ -95,3 +95,18 @@ def test_claims_block_live_holders_and_expire_with_dead_ones(tmp_path):
     assert mine.claim("k2")  # its holder is gone
     assert not mine.claim("k3")  # its holder (a live process) still encodes it
     mine.close()
+
+
+def test_an_old_index_gains_the_new_source_columns(tmp_path):
+    import sqlite3
+
+    old = sqlite3.connect(tmp_path / "index.sqlite")
+    old.execute("CREATE TABLE sources (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, digest TEXT, probe TEXT)")
+    old.execute("INSERT INTO sources VALUES ('/a.png', 1, 2, 'd', '[1, 1, 0.0]')")
+    old.commit()
+    old.close()
+    index = CacheIndex(tmp_path)
+    source = index.sources()["/a.png"]
+    assert (source.ctime_ns, source.inode) == (None, None)
+    assert not source.unchanged(os.stat(tmp_path / "index.sqlite"))  # hashed again, never trusted
+    index.close()

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, shard TEXT NOT NULL, o
     length INTEGER NOT NULL, checksum TEXT NOT NULL, shapes TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS entries_by_shard ON entries (shard);
 CREATE TABLE IF NOT EXISTS sources (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, digest TEXT,
-    probe TEXT);
+    probe TEXT, ctime_ns INTEGER, inode INTEGER);
 CREATE TABLE IF NOT EXISTS slots (slot TEXT PRIMARY KEY, key TEXT, components TEXT);
 CREATE TABLE IF NOT EXISTS shards (name TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER);
 CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY, host TEXT, pid INTEGER, at REAL);
@@ -43,10 +43,24 @@ class Entry:
 
 @dataclass(frozen=True)
 class Source:
+    """A source file as last hashed. ctime and inode join size and mtime in the fast path: a file
+    replaced by another one with the same size and a copied-over mtime (``cp -p``, ``rsync -t``)
+    still gets a new ctime or inode, so it is hashed again instead of trusted."""
+
     size: int
     mtime_ns: int
     digest: str
     probe: str  # JSON
+    ctime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result, digest: str, probe: str) -> Source:
+        return cls(st.st_size, st.st_mtime_ns, digest, probe, st.st_ctime_ns, st.st_ino)
+
+    def unchanged(self, st: os.stat_result) -> bool:
+        return (self.size, self.mtime_ns, self.ctime_ns, self.inode) == (
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
@@ -56,7 +70,16 @@ def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(_SCHEMA)
+    _add_missing_columns(db)
     return db
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Indexes written before a column existed gain it (NULL: such sources are simply hashed again)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(sources)")}
+    for column in ("ctime_ns", "inode"):
+        if column not in have:
+            db.execute(f"ALTER TABLE sources ADD COLUMN {column} INTEGER")
 
 
 class CacheIndex:
@@ -118,12 +141,13 @@ class CacheIndex:
 
     # ---- sources and slots ------------------------------------------------------------------
     def sources(self) -> dict[str, Source]:
-        rows = self.db.execute("SELECT path, size, mtime_ns, digest, probe FROM sources")
+        rows = self.db.execute("SELECT path, size, mtime_ns, digest, probe, ctime_ns, inode FROM sources")
         return {r[0]: Source(*r[1:]) for r in rows}
 
     def put_source(self, path: str, source: Source) -> None:
-        self.db.execute("INSERT OR REPLACE INTO sources VALUES (?,?,?,?,?)",
-                        (path, source.size, source.mtime_ns, source.digest, source.probe))
+        self.db.execute("INSERT OR REPLACE INTO sources VALUES (?,?,?,?,?,?,?)",
+                        (path, source.size, source.mtime_ns, source.digest, source.probe, source.ctime_ns,
+                         source.inode))
 
     def slots(self) -> dict[str, tuple[str, str]]:
         """Slot -> (key, components as JSON text; parsed only when a reason is needed)."""

@@ -163,17 +163,16 @@ class _Filler:
     def source(self, entry: ImageEntry, known: dict[str, Source]) -> tuple[str, Probe]:
         st = os.stat(entry.path)
         old = known.get(entry.path)
-        if old and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns):
+        if old and old.unchanged(st):
             return old.digest, Probe(*json.loads(old.probe))
         digest = _file_digest(entry.path)
         if old:
-            self.report.rehashed.append(Path(entry.path).name)
+            self.report.rehashed.append(os.path.basename(entry.path))
         if old and old.digest == digest:
             probe = Probe(*json.loads(old.probe))
         else:
             probe = probe_video(entry.path) if entry.is_video else probe_image(entry.path)
-        self.index.put_source(entry.path, Source(st.st_size, st.st_mtime_ns, digest,
-                                                 json.dumps(dataclasses.astuple(probe))))
+        self.index.put_source(entry.path, Source.of(st, digest, json.dumps(dataclasses.astuple(probe))))
         return digest, probe
 
     def plan(self) -> list[_Planned]:
