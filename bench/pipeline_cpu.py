@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,8 @@ def run_once(root: Path, fixtures, items, run_dir: Path, stages: int, steps: int
     from pipetrainer.training.fingerprint import file_fingerprint
     from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, TrainSpec
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # events.jsonl is append-only: start each run clean
+    run_dir.mkdir(parents=True)
     spec = RunSpec(
         model=ModelRecipe("diffusion_model", str(fixtures.mmdit), "default", file_fingerprint(fixtures.mmdit)),
         items=tuple(items), lora=LoraSpec(rank=8, alpha=8.0), optimizer=OptimizerSpec(lr=1e-3, weight_decay=0.0),
