@@ -1,6 +1,7 @@
 """One training rank: process hygiene, distributed init, model replay, then the engine.
 
-Started by the supervisor with RANK / WORLD_SIZE / LOCAL_RANK and a file rendezvous in the run dir.
+Started by the supervisor with RANK / WORLD_SIZE / LOCAL_RANK and a file rendezvous in the run dir,
+or by a launcher (torchrun, DeepSpeed's multi-node launcher) with MASTER_ADDR / MASTER_PORT (env://).
 Each rank dies with its supervisor (PR_SET_PDEATHSIG) so a killed tree leaves no orphan on the GPU.
 """
 
