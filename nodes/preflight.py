@@ -18,10 +18,17 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.spec import CacheItem, LoraSpec, TrainSpec
+
+if TYPE_CHECKING:
+    from comfy.model_patcher import ModelPatcher
+    from comfy.sd import CLIP, VAE
+
+    from ..training.cache.store import CacheResult
+    from ..training.dataset import DatasetSpec
 
 MAX_NAMED = 20  # items named per problem; the rest are counted
 MIN_PATCHES_PER_SIDE = 4  # smaller latents leave the model (and a LoRA) next to nothing to learn from
@@ -266,7 +273,7 @@ def text_dim_problems(cond_dims: Mapping[str, int], pooled_dims: Mapping[str, in
 class DescribesConditioning(Protocol):
     """A family adapter that can say which text widths its model takes (preflight uses it when present)."""
 
-    def conditioning_dims(self, diffusion_model) -> tuple[int, int]:
+    def conditioning_dims(self, diffusion_model: object) -> tuple[int, int]:
         """``(context width, pooled width or 0)``."""
         ...
 
@@ -280,7 +287,7 @@ class ModelInputs:
     pooled_dim: int
 
 
-def model_inputs(model) -> ModelInputs | None:
+def model_inputs(model: ModelPatcher) -> ModelInputs | None:
     """What the ComfyUI MODEL takes, or None when its family is not trainable (reported elsewhere)."""
     base = model.model
     try:
@@ -317,7 +324,7 @@ def deepspeed_problems(installed: bool, platform: str) -> list[str]:
             "(or 'pip install deepspeed') and restart ComfyUI."]
 
 
-def lora_parameter_count(model, lora: LoraSpec) -> int:
+def lora_parameter_count(model: ModelPatcher, lora: LoraSpec) -> int:
     """LoRA parameters the run will train: ``rank * (in + out)`` for every targeted Linear."""
     import torch
 
@@ -345,7 +352,7 @@ def cache_disk_bytes(latent_elements: int, text_elements: int, bytes_per_element
     return (latent_elements + text_elements) * bytes_per_element + DISK_MARGIN_BYTES
 
 
-def _vae_geometry(vae) -> tuple[int, int, Callable[[int], int]]:
+def _vae_geometry(vae: VAE) -> tuple[int, int, Callable[[int], int]]:
     """(latent channels, spatial downscale, frames -> latent frames) of a ComfyUI VAE."""
     ratio = getattr(vae, "downscale_ratio", 8)
     channels = int(getattr(vae, "latent_channels", 16))
@@ -355,7 +362,7 @@ def _vae_geometry(vae) -> tuple[int, int, Callable[[int], int]]:
     return channels, int(ratio), lambda frames: frames
 
 
-def dataset_latent_elements(dataset, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
+def dataset_latent_elements(dataset: DatasetSpec, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
     """Latent elements of every item at every training resolution (videos at their largest frame bucket)."""
     settings = getattr(dataset, "bucket_settings", None)
     resolutions = settings.resolutions if settings is not None else (dataset.resolution,)
@@ -371,7 +378,7 @@ def _folder_bytes(folder: str) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) if os.path.isdir(folder) else 0
 
 
-def cache_problems(dataset, vae, clip, cache_dir: str) -> list[str]:
+def cache_problems(dataset: DatasetSpec, vae: VAE, clip: CLIP, cache_dir: str) -> list[str]:
     """Free disk for the cache about to be filled.
 
     The estimate counts every item (an upper bound when some are reused) minus what the cache folder
@@ -405,7 +412,7 @@ def disk_problems(folder: str, needed: int, free: int, what: str, fix: str) -> l
 
 
 # ---- all of it --------------------------------------------------------------------------------
-def train_problems(model, cache, lora: LoraSpec, train: TrainSpec, runs_root: str) -> list[str]:
+def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, train: TrainSpec, runs_root: str) -> list[str]:
     """Every problem the Train node can see before launching, in a stable order."""
     items = tuple(getattr(cache, "items", ()))
     report = getattr(cache, "report", None)
