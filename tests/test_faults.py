@@ -142,6 +142,30 @@ def test_sigkill_of_a_rank_fails_the_node_fast_with_the_log_tail(tiny_model, dem
         Path(paths.lora_output_path(name)).unlink(missing_ok=True)
 
 
+@pytest.mark.slow
+def test_sigkill_of_the_supervisor_takes_its_ranks_down(fixture_paths, comfy_root, demo_cache, tmp_path):
+    """The supervisor itself dies: its ranks follow (PR_SET_PDEATHSIG) and the node reports the exit code."""
+    from pipetrainer.nodes import run_process
+
+    spec = make_spec(fixture_paths.mmdit, demo_cache.items, tmp_path / "run", comfy_root, steps=400,
+                     pipeline_stages=2, gradient_checkpointing=False)
+    handle = run_process.launch(spec)
+    try:
+        ranks = _rank_processes(handle.proc.pid, 2)
+        pids = [p.pid for p in ranks.values()]
+        _wait_for(lambda: any(e["type"] == "step" for e in read_all(spec.run_dir)), 300, "a step")
+        os.kill(handle.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = run_process.follow(handle, lambda e: None, lambda: False)
+        _wait_for(lambda: all(_gone(pid) for pid in pids), 30, "the ranks to follow their supervisor")
+        took = time.monotonic() - killed_at
+    finally:
+        run_process.stop(handle, grace_s=5)
+    print(f"\nSIGKILL of the supervisor: ranks gone {took:.2f} s later")
+    assert code == -signal.SIGKILL
+    assert "exited with code -9" in run_process.failure_message(handle)
+
+
 # ---- a kill during a LoRA save ----------------------------------------------------------------
 _WRITER = """
 import sys, time
