@@ -313,6 +313,27 @@ def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[s
     return out
 
 
+# ---- the model file ------------------------------------------------------------------------------
+def model_file_problems(path: str, fingerprint: str, loras: Sequence[tuple[str, float]] = ()) -> list[str]:
+    """The training process reloads the MODEL from its file: the file must still be the one the graph loaded."""
+    from ..training.fingerprint import file_fingerprint
+
+    name = Path(path).name
+    out = []
+    if not os.path.isfile(path):
+        out.append(f"The model file {name} is gone since the graph loaded it: restore it, or pick another "
+                   "in 'Load Diffusion Model (train)'.")
+    elif fingerprint and file_fingerprint(path) != fingerprint:
+        out.append(f"The model file {name} changed on disk after the graph loaded it, so training would use "
+                   "other weights than the MODEL you see: unload models (Free model and node cache, or "
+                   "restart ComfyUI) and queue again.")
+    gone = [Path(p).name for p, _ in loras if not os.path.isfile(p)]
+    if gone:
+        out.append(f"The LoRA file(s) {_named(gone)} stacked on the model are gone: restore them or remove "
+                   "their Load LoRA nodes.")
+    return out
+
+
 # ---- environment -------------------------------------------------------------------------------
 def deepspeed_problems(installed: bool, platform: str) -> list[str]:
     if installed:
@@ -423,6 +444,11 @@ def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, trai
     problems += media_problems(dict.fromkeys(item.source for item in items if item.source not in unchanged))
     shapes = read_cached_shapes(items)
     problems += unreadable_cache_problems(shapes.unreadable)
+    from .model_source import recipe_of  # ComfyUI's loaders: imported only where a MODEL exists
+
+    recipe = recipe_of(model)
+    if recipe is not None:  # without one, the Train node already says which loader to use
+        problems += model_file_problems(recipe.path, recipe.fingerprint, recipe.loras)
     inputs = model_inputs(model)
     if inputs is not None:
         problems += cache_vs_model_problems(shapes, inputs)

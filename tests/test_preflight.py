@@ -8,6 +8,7 @@ real image/video files) and checks the message names the item and the fix. Nothi
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -198,6 +199,21 @@ def _model_without_recipe(s: Setup, fixture_paths) -> str:
     return _error(dataclasses.replace(s, model=plain).build)
 
 
+def _model_file_changed(s: Setup, fixture_paths) -> str:
+    from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
+
+    copy = fixture_paths.mmdit.with_name(f"preflight-{os.getpid()}-{s.tmp.name}.safetensors")
+    shutil.copy(fixture_paths.mmdit, copy)
+    try:
+        model = PipeTrainerLoadDiffusionModel.execute(copy.name, "default").result[0]
+        with open(copy, "r+b") as f:  # re-saved with other weights under the same name
+            f.seek(2**16 - 16)  # weight bytes in the first chunk the fingerprint samples (past the header)
+            f.write(b"\x01\x02\x03\x04")
+        return _error(dataclasses.replace(s, model=model).build)
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 def _lora_name(name: str) -> Callable[[Setup], str]:
     return lambda s: _error(dataclasses.replace(s, lora_name=name).build)
 
@@ -241,6 +257,8 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
     ("resolution too small", _too_small, ("4x4 are too small", "Raise the resolution")),
     ("unsupported model family", _unsupported_family, ("cannot train BaseModel", "Supported model families: Flux, SD3")),
     ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (train)'",)),
+    ("model file changed after loading", _model_file_changed, ("changed on disk after the graph loaded it",
+                                                              "queue again")),
     ("LoRA name with a folder", _lora_name("sub/my_lora"), ("must be a plain file name",)),
     ("LoRA name with '..'", _lora_name("..\\evil"), ("must be a plain file name",)),
     ("absolute LoRA path", _lora_name("/tmp/evil"), ("must be a plain file name",)),
