@@ -205,6 +205,7 @@ def test_a_rank_that_raises_fails_the_run_fast_with_its_error(two_stage, tmp_pat
     assert verdict["rank"] == 1, failed_events
     assert "Could not load the checkpoint" in error["message"] and "pipeline stage 1" in error["message"], error
     assert "Traceback" in verdict["log_tail"]
+    print(f"\nrank {verdict['rank']} raised -> run failed after {verdict['time'] - error['time']:.2f} s")
     assert verdict["time"] - error["time"] < FAILURE_REPORTED_WITHIN_S
     assert not _leftover_processes(Path(failing.run_dir))
 
