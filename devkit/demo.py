@@ -12,7 +12,7 @@ from .fixtures import ensure_fixtures
 from .host import ComfyServer, ensure_host, history_error, output_images
 
 PACK_DIR = Path(__file__).resolve().parent.parent
-WORKFLOW = PACK_DIR / "workflows" / "pipetrainer_tiny_mmdit_api.json"
+WORKFLOW = PACK_DIR / "workflows" / "api" / "pipetrainer_tiny_mmdit.json"
 
 
 def newest_run_dir(root: Path) -> Path | None:
@@ -55,15 +55,19 @@ def run_demo(timeout_s: float = 900.0) -> int:
 
 
 def write_ui_workflows() -> int:
-    """Regenerate each ``workflows/<name>.json`` (UI format) from ``<name>_api.json`` with a live server."""
+    """Regenerate each ``workflows/<name>.json`` (UI format) from ``workflows/api/<name>.json``.
+
+    The API twins live in a subfolder because ComfyUI offers every ``workflows/*.json`` of a custom
+    node pack in its template browser, and only the UI format belongs there.
+    """
     from .workflow_ui import api_to_ui
 
     root = ensure_host()
     with ComfyServer(root, PACK_DIR / ".host" / "ui-workflow-server.log") as server:
         object_info = server.get("/object_info")
-    for api_file in sorted((PACK_DIR / "workflows").glob("*_api.json")):
+    for api_file in sorted((PACK_DIR / "workflows" / "api").glob("*.json")):
         ui = api_to_ui(json.loads(api_file.read_text()), object_info)
-        target = api_file.with_name(api_file.name.replace("_api.json", ".json"))
+        target = PACK_DIR / "workflows" / api_file.name
         target.write_text(json.dumps(ui, indent=1) + "\n")
         print(target)
     return 0

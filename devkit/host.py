@@ -87,7 +87,7 @@ class ComfyServer:
         self._extra = extra_args
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120.0) -> "ComfyServer":
+    def start(self, timeout: float = 120.0) -> ComfyServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
@@ -117,7 +117,7 @@ class ComfyServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
 
-    def __enter__(self) -> "ComfyServer":
+    def __enter__(self) -> ComfyServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

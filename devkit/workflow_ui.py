@@ -71,7 +71,7 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict]) -> dict:
             "size": [320, 260], "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": [],
             "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": widgets,
         })
-    for n, key in zip(nodes, api):
+    for n, key in zip(nodes, api, strict=True):
         info = object_info[api[key]["class_type"]]
         names = info.get("output_name", info["output"])
         n["outputs"] = [{"name": names[i], "type": t, "links": outputs_links.get((key, i), []), "slot_index": i}

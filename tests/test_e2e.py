@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 from PIL import Image
-from safetensors.torch import load_file
-
 from pipetrainer.devkit.host import history_error, output_images
 from pipetrainer.training.events import read_all
+from safetensors.torch import load_file
 
-WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "pipetrainer_tiny_mmdit_api.json"
+WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_tiny_mmdit.json"
 TRAIN_NODE = "8"
 
 

@@ -390,7 +390,7 @@ def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, c
     (data / "broken.jpg").write_bytes(b"not a jpeg")
     (data / "broken.txt").write_text("broken", encoding="utf-8")
     lora_name = f"preflight-{uuid.uuid4().hex[:6]}"
-    prompt = json.loads((Path(__file__).resolve().parent.parent / "workflows" / "pipetrainer_tiny_mmdit_api.json")
+    prompt = json.loads((Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_tiny_mmdit.json")
                         .read_text())
     prompt["4"]["inputs"].update(folder=folder, resolution=64, extra_resolutions="32")
     prompt["8"]["inputs"].update(lora_name=lora_name, steps=2)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import statistics
 
 import torch
-from safetensors.torch import load_file
-
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+from safetensors.torch import load_file
 
 
 def test_overfitting_one_image_lowers_the_loss(fixture_paths, comfy_root, demo_cache, tmp_path):
@@ -59,7 +58,6 @@ def test_comfy_lora_loader_reproduces_the_trainer_forward(fixture_paths, demo_ca
     """fp32: max abs difference <= 1e-4 (relative ~1e-5) between PEFT's forward and ComfyUI's merged LoRA."""
     import comfy.lora
     import comfy.sd
-
     from pipetrainer.training.data import load_examples
     from pipetrainer.training.loss import noisy_input_and_target
     from pipetrainer.training.pipelines.base import adapter_for

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-
 from pipetrainer.training.dataset import DatasetError, scan_dataset
 from pipetrainer.training.lora_file import atomic_save, comfy_key_for, lora_state_dict
 from pipetrainer.training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for, known_families
@@ -123,3 +124,30 @@ def test_registry_finds_the_family_of_real_comfy_models(fixture_paths):
     patcher = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
     assert family_name_for(patcher.model) == "SD3"
     assert adapter_for("SD3").name == "SD3"
+
+
+def test_atomic_save_removes_temp_files_of_killed_writers_only(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".x.safetensors.{dead.pid}.abc123.tmp"
+    live = tmp_path / f".x.safetensors.{os.getpid()}.def456.tmp"
+    stale.write_bytes(b"partial")
+    live.write_bytes(b"in progress")
+    atomic_save({"w": torch.zeros(2)}, tmp_path / "x.safetensors", {})
+    assert not stale.exists() and live.exists()
+
+
+def test_file_fingerprint_sees_the_last_bytes_of_large_files(tmp_path):
+    from pipetrainer.training.fingerprint import file_fingerprint
+
+    f = tmp_path / "big.bin"
+    data = bytearray(os.urandom(5_000_003))
+    f.write_bytes(data)
+    before = file_fingerprint(f)
+    data[-1] ^= 0xFF
+    f.write_bytes(data)
+    assert file_fingerprint(f) != before

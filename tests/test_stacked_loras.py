@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from pipetrainer.nodes.stacked_loras import UnsupportedStackedPatch, write_stacked_loras
 from pipetrainer.training.fingerprint import file_fingerprint
 from pipetrainer.training.model_source import load_model

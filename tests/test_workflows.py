@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from pipetrainer.devkit.workflow_ui import ui_to_api
 
 WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
-PAIRS = [(p, p.with_name(p.name.replace("_api.json", ".json"))) for p in sorted(WORKFLOWS.glob("*_api.json"))]
+PAIRS = [(p, WORKFLOWS / p.name) for p in sorted((WORKFLOWS / "api").glob("*.json"))]
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +35,12 @@ def test_ui_workflow_is_a_consistent_graph(api_file, ui_file, object_info):
         assert nodes[dst]["inputs"][dst_slot]["link"] == link_id
         assert object_info[nodes[src]["type"]]["output"][src_slot] == kind
     assert ui["last_node_id"] == max(nodes) and ui["last_link_id"] == len(ui["links"])
+
+
+def test_template_browser_offers_only_ui_workflows(server):
+    """ComfyUI lists every workflows/*.json of the pack as a template: all of them must be UI format."""
+    templates = server.get("/workflow_templates")
+    ours = next(names for pack, names in templates.items() if "PipeTrainer" in pack)
+    assert sorted(ours) == sorted(p.stem for _, p in PAIRS)
+    for name in ours:
+        assert "nodes" in json.loads((WORKFLOWS / f"{name}.json").read_text())

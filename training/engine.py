@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from .lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
 from .loss import mse_loss
 from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .pipelines.base import adapter_for, family_name_for
+from .process_util import process_alive
 from .spec import RunSpec
 
 CHECKPOINT_DIR = "checkpoints"
@@ -218,7 +218,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """True on every rank if any rank saw the stop file or lost its parent."""
-        local = stop_path(self.run_dir).exists() or not _alive(self.spec.parent_pid)
+        local = stop_path(self.run_dir).exists() or (self.spec.parent_pid > 0 and not process_alive(self.spec.parent_pid))
         flag = torch.tensor([1.0 if local else 0.0])
         if dist.is_initialized() and self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -276,15 +276,3 @@ class Trainer:
         if client is None:
             raise RuntimeError(f"Could not load the checkpoint {checkpoint}: {advice}.")
         self.step = int(client["step"])
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -25,9 +25,11 @@ def file_fingerprint(path: str | Path) -> str:
             h.update(f.read())
         else:
             step = (size - _CHUNK) // (_SAMPLES - 1)
-            for i in range(_SAMPLES):
+            for i in range(_SAMPLES - 1):
                 f.seek(i * step)
                 h.update(f.read(_CHUNK))
+            f.seek(size - _CHUNK)  # the last chunk ends exactly at the end of the file
+            h.update(f.read(_CHUNK))
     return h.hexdigest()
 
 

@@ -8,6 +8,7 @@ project builds these strings.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import tempfile
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from .process_util import process_alive
 
 _PEFT_SUFFIXES = {
     ".lora_A.default.weight": "lora_A.weight",
@@ -30,12 +33,11 @@ def comfy_key_for(param_name: str, layer_paths: Mapping[int, Mapping[str, str]])
     ``param_name`` looks like ``"<layer index>.<attribute>.<inner path>.lora_A.default.weight"``;
     ``layer_paths[layer index][attribute]`` is that attribute's module path in the ComfyUI model.
     """
-    for suffix, kind in _PEFT_SUFFIXES.items():
-        if param_name.endswith(suffix):
-            stem = param_name[: -len(suffix)]
-            break
-    else:
+    match = next(((suffix, kind) for suffix, kind in _PEFT_SUFFIXES.items() if param_name.endswith(suffix)), None)
+    if match is None:
         raise ValueError(f"{param_name!r} is not a PEFT LoRA weight (expected lora_A/lora_B.default.weight).")
+    suffix, kind = match
+    stem = param_name[: -len(suffix)]
     index_str, _, rest = stem.partition(".")
     attr, _, inner = rest.partition(".")
     try:
@@ -66,7 +68,8 @@ def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _remove_dead_writers_temp_files(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         save_file(dict(tensors), tmp, metadata=meta)
@@ -78,3 +81,12 @@ def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _remove_dead_writers_temp_files(path: Path) -> None:
+    """Delete ``.<name>.<pid>.*.tmp`` files left by writers that were killed mid-save."""
+    prefix = f".{path.name}."
+    for leftover in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid_text = leftover.name[len(prefix):].split(".", 1)[0]
+        if pid_text.isdigit() and not process_alive(int(pid_text)):
+            leftover.unlink(missing_ok=True)

@@ -182,7 +182,7 @@ class RunSpec:
             out.append(f"Spec version {self.version} is not supported (expected {SPEC_VERSION}).")
         return out
 
-    def validated(self) -> "RunSpec":
+    def validated(self) -> RunSpec:
         """Return self, or raise :class:`SpecError` listing every problem."""
         problems = self.problems()
         if problems:
@@ -202,7 +202,7 @@ class RunSpec:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunSpec":
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
         d = dict(data)
         model = dict(d.pop("model"))
         model["loras"] = tuple((str(p), float(s)) for p, s in model.get("loras", ()))
@@ -218,11 +218,11 @@ class RunSpec:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "RunSpec":
+    def from_json(cls, text: str) -> RunSpec:
         return cls.from_dict(json.loads(text))
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunSpec":
+    def load(cls, path: str | Path) -> RunSpec:
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def training_hash(self) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .cluster import write_cluster_bundle
 from .events import EventWriter, stop_path
+from .process_util import process_alive
 from .rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, cpu_rank_environment
 from .spec import RunSpec
 
@@ -91,7 +92,7 @@ def supervise(spec_path: str, entry: str) -> int:
                 return EXIT_FAILED
             if all(c is not None for c in codes):
                 return EXIT_STOPPED if EXIT_STOPPED in codes else EXIT_OK
-            if spec.parent_pid and parent_gone_at is None and not _alive(spec.parent_pid):
+            if spec.parent_pid and parent_gone_at is None and not process_alive(spec.parent_pid):
                 parent_gone_at = time.monotonic()
                 stop_path(run_dir).touch()
                 events.emit("parent_gone", parent_pid=spec.parent_pid)
@@ -114,13 +115,3 @@ def _origin_of_failure(run_dir: Path, failed: list[tuple[int, int]]) -> tuple[in
         rank = errors[0][1]
         return rank, codes[rank]
     return failed[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

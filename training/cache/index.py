@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..process_util import process_alive
+
 INDEX_FILE = "index.sqlite"
 
 _SCHEMA = """
@@ -177,10 +179,4 @@ class CacheIndex:
     def _alive(self, host: str, pid: int, at: float, stale_after_s: float = 3600.0) -> bool:
         if host != self.host:  # another machine sharing the folder: trust the claim for a while
             return time.time() - at < stale_after_s
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return process_alive(pid)
