@@ -44,3 +44,13 @@ def test_template_browser_offers_only_ui_workflows(server):
     assert sorted(ours) == sorted(p.stem for _, p in PAIRS)
     for name in ours:
         assert "nodes" in json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def test_every_pipetrainer_input_has_a_tooltip(object_info):
+    ours = {name: info for name, info in object_info.items() if name.startswith("PipeTrainer")}
+    assert {"PipeTrainerLoadDiffusionModel", "PipeTrainerDataset", "PipeTrainerCache", "PipeTrainerLoRA",
+            "PipeTrainerOptimizer", "PipeTrainerTrain"} <= set(ours)
+    missing = [f"{node}.{name}" for node, info in ours.items()
+               for section in ("required", "optional") for name, spec in info["input"].get(section, {}).items()
+               if not (len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("tooltip"))]
+    assert missing == []
