@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.spec import CacheItem, LoraSpec, TrainSpec
@@ -269,21 +269,12 @@ def text_dim_problems(cond_dims: Mapping[str, int], pooled_dims: Mapping[str, in
     return out
 
 
-@runtime_checkable
-class DescribesConditioning(Protocol):
-    """A family adapter that can say which text widths its model takes (preflight uses it when present)."""
-
-    def conditioning_dims(self, diffusion_model: object) -> tuple[int, int]:
-        """``(context width, pooled width or 0)``."""
-        ...
-
-
 @dataclass(frozen=True)
 class ModelInputs:
     family: str
     latent_channels: int
     patch_size: int
-    context_dim: int  # 0: unknown (the family does not describe its conditioning)
+    context_dim: int
     pooled_dim: int
 
 
@@ -298,7 +289,7 @@ def model_inputs(model: ModelPatcher) -> ModelInputs | None:
     dm = base.diffusion_model
     patch = getattr(dm, "patch_size", 1)
     patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
-    context, pooled = adapter.conditioning_dims(dm) if isinstance(adapter, DescribesConditioning) else (0, 0)
+    context, pooled = adapter.conditioning_dims(dm)
     channels = int(getattr(base.latent_format, "latent_channels", 0) or getattr(dm, "in_channels", 0))
     return ModelInputs(family, channels, patch, int(context), int(pooled))
 

@@ -404,12 +404,11 @@ def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, c
     assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{lora_name}-*"))  # nothing launched
 
 
-def test_every_family_describes_its_inputs_so_no_check_is_skipped():
-    from pipetrainer.nodes.preflight import DescribesConditioning
-    from pipetrainer.training.pipelines.base import adapter_for, known_families
+def test_every_family_implements_the_whole_contract_so_no_check_is_skipped():
+    from pipetrainer.training.pipelines.base import FamilyAdapter, adapter_for, known_families
 
     for family in known_families():
-        assert isinstance(adapter_for(family), DescribesConditioning), family
+        assert isinstance(adapter_for(family), FamilyAdapter), family
 
 
 def test_preflight_stays_fast_on_a_large_cache(setup):

@@ -47,6 +47,10 @@ class FamilyAdapter(Protocol):
         """A regex (PEFT ``target_modules``) selecting the Linears of ``preset`` in the stage layers."""
         ...
 
+    def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
+        """``(context width, pooled width or 0)`` the model takes: preflight checks the cache against it."""
+        ...
+
     def first_stage_inputs(
         self, noisy: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, pooled: torch.Tensor | None
     ) -> tuple[torch.Tensor, ...]:
