@@ -19,9 +19,12 @@ class StageLayer(nn.Module):
 
     ``comfy_paths`` maps each attribute holding a ComfyUI submodule to that submodule's path inside
     ``diffusion_model``; LoRA key mapping relies on it, so the saved file uses ComfyUI's own names.
+    ``swappable`` marks the repeated transformer blocks: block swap (training/offload) may keep their
+    frozen weights off the GPU between uses. Embedders and final layers stay resident.
     """
 
     comfy_paths: dict[str, str]
+    swappable: bool = False
 
     def __init__(self) -> None:
         super().__init__()

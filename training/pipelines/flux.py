@@ -110,6 +110,8 @@ class FluxEmbed(StageLayer):
 class FluxDoubleBlock(StageLayer):
     """One double-stream block (separate image and text weights, joint attention)."""
 
+    swappable = True
+
     def __init__(self, dm: nn.Module, index: int, last: bool):
         super().__init__()
         self.adopt("block", dm.double_blocks[index], f"double_blocks.{index}")
@@ -128,6 +130,8 @@ class FluxDoubleBlock(StageLayer):
 
 class FluxSingleBlock(StageLayer):
     """One single-stream block over the text tokens followed by the image tokens."""
+
+    swappable = True
 
     def __init__(self, dm: nn.Module, index: int, last: bool):
         super().__init__()

@@ -57,6 +57,8 @@ class MMDiTEmbed(StageLayer):
 
 
 class MMDiTJointBlock(StageLayer):
+    swappable = True
+
     def __init__(self, dm: nn.Module, index: int):
         super().__init__()
         self.adopt("block", dm.joint_blocks[index], f"joint_blocks.{index}")

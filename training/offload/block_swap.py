@@ -1,0 +1,264 @@
+"""Block swap: a block's frozen weights visit the compute device only while that block runs.
+
+Why: the frozen base weights dominate a stage's GPU memory, while only one transformer block computes
+at a time. Keeping the last N blocks' frozen parameters and buffers in host memory (pinned when the
+compute device is CUDA, so copies are asynchronous) and loading each block just before its forward
+trades PCIe bandwidth for memory. LoRA parameters (``requires_grad`` True) never move: the optimizer
+and DeepSpeed hold them, and they are small.
+
+How: a forward pre-hook loads the block (on a side CUDA stream; the compute stream waits on an event,
+and every loaded tensor is ``record_stream``-ed on the compute stream so the caching allocator does not
+reuse its memory before the compute stream is done) and starts loading the next swapped block on the
+side stream (prefetch). A forward post-hook (``always_call``, so it also runs when activation
+checkpointing stops a recomputation early by raising) puts the host tensors back. Loading installs a
+*new* ``nn.Parameter`` around the device copy instead of assigning ``.data``; offloading re-installs the
+host one. Frozen weights never change, so nothing is copied back.
+
+Backward: the engine checkpoints activations (torch non-reentrant checkpoint), so a block's forward
+runs again inside backward; the same pre-hook loads it then, and the post-hook releases it after the
+recomputation. The recomputed saved tensors are detached views of the device copy, so they keep that
+copy's memory alive exactly until the block's backward has consumed them; then it is freed.
+
+Without activation checkpointing autograd saves the device Parameters a block's ops need for backward.
+Because loading installs fresh Parameters, those saved references keep the device copies alive (and
+correct) until the block's backward: results stay right, but block swap then saves no GPU memory, only
+costs transfers. The bookkeeping here (``resident``) counts what the swapper holds, not such copies.
+
+On a CPU compute device the host is the compute device: swaps are cheap no-ops that keep the hooks and
+the bookkeeping running, and results are bitwise the same as without block swap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+Transfer = Callable[[torch.Tensor, torch.device], torch.Tensor]
+"""Copies a host tensor to the compute device (injectable: tests use a copy that is distinguishable on CPU)."""
+
+
+@dataclass
+class _Slot:
+    """One frozen tensor of a block: where it is attached and its host copy."""
+
+    owner: nn.Module
+    name: str
+    is_parameter: bool
+    host: torch.Tensor  # an nn.Parameter (requires_grad False) for parameters
+
+
+@dataclass
+class _Block:
+    position: int  # among the swapped blocks of this swapper, in forward order
+    module: nn.Module
+    slots: list[_Slot]
+    loaded: list[torch.Tensor] = field(default_factory=list)  # device copies while resident
+    ready: object | None = None  # a CUDA event marking the end of the copies (side stream)
+    resident: bool = False
+    running: bool = False
+
+
+def frozen_slots(module: nn.Module) -> list[_Slot]:
+    """The frozen parameters (``requires_grad`` False) and the buffers of ``module``, one slot each."""
+    slots = []
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and not param.requires_grad:
+                slots.append(_Slot(owner, name, True, param))
+        for name, buf in owner._buffers.items():
+            if buf is not None:
+                slots.append(_Slot(owner, name, False, buf))
+    return slots
+
+
+def _install(slot: _Slot, tensor: torch.Tensor) -> None:
+    if slot.is_parameter:
+        if not isinstance(tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=False)
+        slot.owner._parameters[slot.name] = tensor
+    else:
+        slot.owner._buffers[slot.name] = tensor
+
+
+class BlockSwapper:
+    """Keeps the frozen weights of ``blocks`` off the compute device except while each block runs.
+
+    ``attach`` moves them to the offload device and registers the hooks; ``detach`` brings them back
+    and removes the hooks. ``peak_resident`` is the most blocks ever held on the compute device at once
+    (1 without prefetch, 2 with: the running block and the next one).
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], compute_device: torch.device | str, *,
+                 offload_device: torch.device | str = "cpu", transfer: Transfer | None = None,
+                 prefetch: bool | None = None, pin_memory: bool | None = None) -> None:
+        self.compute_device = torch.device(compute_device)
+        self.offload_device = torch.device(offload_device)
+        cuda = self.compute_device.type == "cuda"
+        self._transfer = transfer
+        self._side_stream = torch.cuda.Stream(self.compute_device) if cuda and transfer is None else None
+        self.prefetch = cuda if prefetch is None else prefetch
+        self.pin_memory = (cuda and self.offload_device.type == "cpu") if pin_memory is None else pin_memory
+        self._blocks = [_Block(i, m, []) for i, m in enumerate(blocks)]
+        self._by_module = {id(b.module): b for b in self._blocks}
+        self._handles: list[RemovableHandle] = []
+        self._last_position: int | None = None
+        self.peak_resident = 0
+        self.loads = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def attach(self) -> BlockSwapper:
+        """Move the blocks' frozen tensors to the offload device and start swapping."""
+        for block in self._blocks:
+            block.slots = frozen_slots(block.module)
+            hosts: dict[int, torch.Tensor] = {}  # shared tensors keep one host copy
+            for slot in block.slots:
+                if id(slot.host) not in hosts:
+                    hosts[id(slot.host)] = self._to_host(slot.host, slot.is_parameter)
+                slot.host = hosts[id(slot.host)]
+                _install(slot, slot.host)
+            self._handles.append(block.module.register_forward_pre_hook(self._before_forward))
+            self._handles.append(block.module.register_forward_hook(self._after_forward, always_call=True))
+        return self
+
+    def detach(self) -> None:
+        """Stop swapping: remove the hooks and put every frozen tensor back on the compute device."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for block in self._blocks:
+            self._offload(block)
+            for slot in block.slots:
+                _install(slot, _plain(slot.host, slot.is_parameter).to(self.compute_device))
+        self._sync()
+
+    def _to_host(self, tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
+        host = tensor.detach().to(self.offload_device)
+        if self.pin_memory and not host.is_pinned():
+            host = host.pin_memory()
+        return nn.Parameter(host, requires_grad=False) if is_parameter else host
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def resident(self) -> tuple[int, ...]:
+        """Positions of the blocks whose frozen tensors are on the compute device now."""
+        return tuple(b.position for b in self._blocks if b.resident)
+
+    def block_names(self) -> list[str]:
+        """The swapped blocks as ComfyUI module paths (or class names), for the run's setup event."""
+        from ..partition import layer_name
+
+        return [layer_name(b.module) for b in self._blocks]
+
+    def running(self) -> tuple[int, ...]:
+        return tuple(b.position for b in self._blocks if b.running)
+
+    def is_on_compute_copy(self, position: int) -> bool:
+        """True when every frozen tensor of the block is its compute copy, not the host one."""
+        block = self._blocks[position]
+        return all(_current(slot) is not slot.host for slot in block.slots)
+
+    # ---- hooks -------------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: object) -> None:
+        block = self._by_module[id(module)]
+        self._load(block)
+        self._wait_ready(block)
+        block.running = True
+        direction = 1 if self._last_position is None or block.position > self._last_position else -1
+        self._last_position = block.position
+        if self.prefetch:
+            self._prefetch(block.position + direction)
+
+    def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
+        block = self._by_module[id(module)]
+        block.running = False
+        self._offload(block)
+
+    # ---- moves -------------------------------------------------------------------------------------
+    def _prefetch(self, position: int) -> None:
+        """Start loading the block at ``position``; drop an earlier prefetch that was not used."""
+        for other in self._blocks:
+            if other.resident and not other.running and other.position != position:
+                self._offload(other)
+        if 0 <= position < len(self._blocks):
+            self._load(self._blocks[position])
+
+    def _load(self, block: _Block) -> None:
+        if block.resident:
+            return
+        copies: dict[int, torch.Tensor] = {}
+        stream = self._side_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for slot in block.slots:
+                if id(slot.host) not in copies:
+                    copies[id(slot.host)] = self._copy(_plain(slot.host, slot.is_parameter))
+            if stream is not None:
+                block.ready = torch.cuda.Event()
+                block.ready.record(stream)
+        block.loaded = list(copies.values())
+        installed: dict[int, torch.Tensor] = {}
+        for slot in block.slots:
+            if id(slot.host) not in installed:
+                copy = copies[id(slot.host)]
+                installed[id(slot.host)] = nn.Parameter(copy, requires_grad=False) if slot.is_parameter else copy
+            _install(slot, installed[id(slot.host)])
+        block.resident = True
+        self.loads += 1
+        self.peak_resident = max(self.peak_resident, len(self.resident()))
+
+    def _copy(self, host: torch.Tensor) -> torch.Tensor:
+        if self._transfer is not None:
+            return self._transfer(host, self.compute_device)
+        return host.to(self.compute_device, non_blocking=self._side_stream is not None)
+
+    def _wait_ready(self, block: _Block) -> None:
+        """Make the compute stream wait for the block's copies and own their memory while it uses them."""
+        if block.ready is None:
+            return
+        compute = torch.cuda.current_stream(self.compute_device)
+        compute.wait_event(block.ready)
+        for tensor in block.loaded:
+            tensor.record_stream(compute)
+        block.ready = None
+
+    def _offload(self, block: _Block) -> None:
+        if not block.resident:
+            return
+        for slot in block.slots:
+            _install(slot, slot.host)
+        block.loaded = []
+        block.ready = None
+        block.resident = False
+
+    def _sync(self) -> None:
+        if self._side_stream is not None:
+            self._side_stream.synchronize()
+
+
+def _plain(tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
+    return tensor.detach() if is_parameter else tensor
+
+
+def _current(slot: _Slot) -> torch.Tensor:
+    return slot.owner._parameters[slot.name] if slot.is_parameter else slot.owner._buffers[slot.name]
+
+
+def swap_last_blocks(layers: Sequence[nn.Module], blocks_to_swap: int, compute_device: torch.device | str,
+                     **options: object) -> BlockSwapper | None:
+    """Attach a :class:`BlockSwapper` to the last ``blocks_to_swap`` swappable layers (None when 0).
+
+    ``layers`` are one stage's layers in forward order; a layer is swappable when its family adapter
+    marks it (``StageLayer.swappable``). Raises if the stage has fewer swappable layers than asked.
+    """
+    from .stages import blocks_to_swap_problem, is_swappable
+
+    if blocks_to_swap <= 0:
+        return None
+    candidates = [layer for layer in layers if is_swappable(layer)]
+    problem = blocks_to_swap_problem(blocks_to_swap, [len(candidates)])
+    if problem:
+        raise ValueError(problem)
+    return BlockSwapper(candidates[len(candidates) - blocks_to_swap:], compute_device, **options).attach()
