@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..training.offload.stages import blocks_to_swap_problem, is_swappable, uniform_boundaries
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.spec import CacheItem, LoraSpec, TrainSpec
 
@@ -325,6 +326,36 @@ def model_file_problems(path: str, fingerprint: str, loras: Sequence[tuple[str, 
     return out
 
 
+# ---- block swap --------------------------------------------------------------------------------
+def blocks_to_swap_problems(blocks_to_swap: int, layer_is_block: Sequence[bool], stages: int, method: str) -> list[str]:
+    """``blocks_to_swap`` (per stage) must not exceed the swappable blocks of the smallest stage.
+
+    ``layer_is_block`` is the engine's layer list (input preparation first), True for swappable blocks.
+    A uniform split is computed exactly; DeepSpeed's parameter-balanced split is only known in the
+    trainer, so here its smallest stage is bounded by ``blocks // stages`` (the trainer checks the rest
+    with the same message on every rank).
+    """
+    if blocks_to_swap <= 0:
+        return []
+    if stages <= 1 or method == "uniform":
+        bounds = uniform_boundaries(len(layer_is_block), max(1, stages))
+        per_stage = [sum(layer_is_block[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+        exact = True
+    else:
+        per_stage, exact = [sum(layer_is_block) // stages] * stages, False
+    problem = blocks_to_swap_problem(blocks_to_swap, per_stage, exact)
+    return [problem] if problem else []
+
+
+def model_block_layout(model: ModelPatcher) -> list[bool]:
+    """The engine's layer list as swappable-or-not: the input preparation, then the family's stage layers."""
+    inputs = model_inputs(model)
+    if inputs is None:
+        return []
+    layers = adapter_for(inputs.family).stage_layers(model.model.diffusion_model)
+    return [False, *(is_swappable(layer) for layer in layers)]
+
+
 # ---- environment -------------------------------------------------------------------------------
 def deepspeed_problems(installed: bool, platform: str) -> list[str]:
     if installed:
@@ -443,6 +474,8 @@ def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, trai
     inputs = model_inputs(model)
     if inputs is not None:
         problems += cache_vs_model_problems(shapes, inputs)
+        problems += blocks_to_swap_problems(train.blocks_to_swap, model_block_layout(model), train.pipeline_stages,
+                                            train.partition_method)
         needed = run_disk_bytes(lora_parameter_count(model, lora), train)
         problems += disk_problems(runs_root, needed, free_bytes(runs_root), "checkpoints and LoRA files",
                                   ", or save less often (save_every)")

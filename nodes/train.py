@@ -93,6 +93,11 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
                              tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
                                      "recompute boundaries, more memory)."),
+                io.Int.Input("blocks_to_swap", default=0, min=0, max=1024, optional=True,
+                             tooltip="Per pipeline stage: keep the frozen weights of the last N transformer blocks "
+                                     "in CPU memory and bring each block to the GPU only while it runs (LoRA "
+                                     "stays on the GPU). With gradient checkpointing it saves VRAM; costs speed, same results. 0 = off. "
+                                     "On CPU it is accepted and changes nothing."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
                                tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts."),
                 io.Boolean.Input("resume", default=True,
@@ -131,6 +136,7 @@ class PipeTrainerTrain(io.ComfyNode):
             dtype=settings["training_dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
             pipeline_stages=settings["pipeline_stages"], partition_method=settings["partition_method"],
             data_parallel=settings.get("data_parallel", 1), checkpoint_interval=settings.get("checkpoint_interval", 1),
+            blocks_to_swap=settings.get("blocks_to_swap", 0),
         )
         device = "cuda" if comfy.model_management.get_torch_device().type == "cuda" else "cpu"
         ranks = train.pipeline_stages * train.data_parallel

@@ -222,6 +222,12 @@ def _too_many_stages(s: Setup) -> str:
     return _error(dataclasses.replace(s, settings={**s.settings, "pipeline_stages": 64}).build)
 
 
+def _too_many_blocks_to_swap(stages: int, blocks: int) -> Callable[[Setup], str]:
+    return lambda s: _error(dataclasses.replace(s, settings={**s.settings, "pipeline_stages": stages,
+                                                             "partition_method": "uniform",
+                                                             "blocks_to_swap": blocks}).build)
+
+
 def _deepspeed_missing(s: Setup) -> str:
     from pipetrainer.nodes.preflight import deepspeed_problems
 
@@ -265,6 +271,10 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
     ("reserved LoRA name", _lora_name("con.safetensors"), ("reserved device name",)),
     ("empty LoRA name", _lora_name("  "), ("lora_name is empty",)),
     ("more stages than devices", _too_many_stages, ("64 ranks is more than this machine can run",)),
+    ("blocks_to_swap out of range", _too_many_blocks_to_swap(1, 5),
+     ("blocks_to_swap 5 is out of range", "the model has 4 swappable block(s)", "Set blocks_to_swap to 4 or less")),
+    ("blocks_to_swap out of range for a stage", _too_many_blocks_to_swap(2, 3),
+     ("smallest stage has 2 swappable block(s)", "or use fewer pipeline stages")),
     ("DeepSpeed missing (native Windows)", _deepspeed_missing, ("DeepSpeed is not installed", "WSL2", "pip install")),
     ("not enough disk", _disk_full, ("Not enough free disk for checkpoints and LoRA files", "GiB free")),
 ]

@@ -23,6 +23,8 @@ from .events import EventWriter, stop_path
 from .lora_file import atomic_save, lora_state_dict
 from .lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
 from .loss import mse_loss
+from .offload.block_swap import swap_last_blocks
+from .offload.stages import blocks_to_swap_problem, swappable_per_stage
 from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .pipelines.base import adapter_for, family_name_for
 from .process_util import process_alive
@@ -131,6 +133,9 @@ class Trainer:
         self.boundaries = [int(p) for p in self.module.parts]
         self.plan = describe(layers, self.boundaries, regex)
         require_lora_on_every_stage(self.plan, spec.lora.targets)
+        swap_problem = blocks_to_swap_problem(spec.train.blocks_to_swap, swappable_per_stage(layers, self.boundaries))
+        if swap_problem:  # every rank sees the whole split, so all raise together
+            raise ValueError(swap_problem)
         local = [(int(name), layer) for name, layer in self.module.named_children() if name.isdigit()]
         self.layer_paths = {i: dict(getattr(layer, "comfy_paths", {})) for i, layer in local}
         self.module.to(ctx.device)
@@ -147,6 +152,8 @@ class Trainer:
             model_parameters=params, config=deepspeed_config(spec, data_parallel=self.data_parallel),
         )
         use_single_backward(self.engine)
+        # After deepspeed.initialize, which moves the whole module to the device: only then can blocks leave it.
+        self.block_swapper = swap_last_blocks([layer for _, layer in local], spec.train.blocks_to_swap, ctx.device)
         if spec.train.max_grad_norm > 0:
             optimizer.register_step_pre_hook(
                 GlobalNormClipping(spec.train.max_grad_norm, self.engine.grid.get_pipe_parallel_group()))
@@ -169,6 +176,7 @@ class Trainer:
                 "setup", family=self.family, lora_modules_stage0=self.lora_count,
                 partition=self.boundaries, stages=[list(p.layers) for p in self.plan], layers=len(layers),
                 world_size=ctx.world_size, data_parallel=self.data_parallel, resumed_step=self.step,
+                swapped_blocks_stage0=self.block_swapper.block_names() if self.block_swapper else [],
             )
 
     @property

@@ -97,6 +97,7 @@ class TrainSpec:
     partition_method: str = "parameters"
     data_parallel: int = 1  # replicas of the whole pipeline; ranks = pipeline_stages * data_parallel
     checkpoint_interval: int = 1  # layers per activation-checkpointed chunk (with gradient_checkpointing)
+    blocks_to_swap: int = 0  # per stage: the last N blocks keep frozen weights in host memory (training/offload)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,8 @@ class RunSpec:
             out.append(f"Data-parallel replicas must be at least 1 (got {t.data_parallel}).")
         if t.checkpoint_interval < 1:
             out.append(f"Activation checkpoint interval must be at least 1 layer (got {t.checkpoint_interval}).")
+        if t.blocks_to_swap < 0:
+            out.append(f"blocks_to_swap must be >= 0 (0 turns block swap off; got {t.blocks_to_swap}).")
         if t.partition_method not in PARTITION_METHODS:
             out.append(
                 f"Partition method {t.partition_method!r} is not one of {', '.join(PARTITION_METHODS)}."
@@ -238,6 +241,7 @@ class RunSpec:
                        i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
             "lora": d["lora"],
             "optimizer": d["optimizer"],
-            "train": {k: v for k, v in d["train"].items() if k not in ("steps", "save_every")},
+            # blocks_to_swap moves weights, never changes them: runs with and without it continue each other.
+            "train": {k: v for k, v in d["train"].items() if k not in ("steps", "save_every", "blocks_to_swap")},
         }
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
