@@ -7,6 +7,7 @@ is needed, so it also runs on a GPU machine that only has torch, peft and a Comf
 says that the GPU figures were skipped. The first steps warm up and are left out.
 
     .venv/bin/python bench/block_swap.py [--steps 20] [--warmup 3] [--resolution 64] [--device auto]
+                                         [--comfyui DIR --model FILE]  (a GPU machine without the dev host)
 """
 
 from __future__ import annotations
@@ -93,25 +94,39 @@ def measure(device, model_path: Path, blocks_to_swap: int, steps: int, warmup: i
     return result
 
 
+def _dev_host() -> Path:
+    from pipetrainer.devkit.host import ensure_host
+
+    return ensure_host()
+
+
+def _dev_mmdit(root: Path) -> Path:
+    from pipetrainer.devkit.fixtures import ensure_fixtures
+
+    return ensure_fixtures(root).mmdit
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    parser.add_argument("--comfyui", type=Path, default=None,
+                        help="a ComfyUI tree (default: the dev host, set up if missing)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the tiny MMDiT file (default: the dev fixture, built if missing); only it is needed")
     args = parser.parse_args(argv)
     import_pack()
     import torch
-    from pipetrainer.devkit.fixtures import ensure_fixtures
-    from pipetrainer.devkit.host import ensure_host
     from pipetrainer.training.comfy_env import use_comfyui
 
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     torch.set_num_threads(1)
-    root = ensure_host()
+    root = args.comfyui or _dev_host()
     use_comfyui(root, device.type)
-    model_path = ensure_fixtures(root).mmdit
+    model_path = args.model or _dev_mmdit(root)
     blocks = 4  # joint blocks of the tiny MMDiT fixture
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     if device.type != "cuda":
