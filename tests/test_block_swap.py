@@ -201,3 +201,13 @@ def test_two_stages_with_block_swap_on_each_stage_are_bitwise_the_same(fixture_p
     assert swapped == ["joint_blocks.0", "joint_blocks.1"]  # stage 0's share; stage 1 swaps blocks 2 and 3
     assert swap_losses == base_losses
     assert all(torch.equal(swap_lora[k], base_lora[k]) for k in base_lora)
+
+
+def test_runs_with_and_without_block_swap_continue_each_other(fixture_paths, comfy_root, demo_cache, tmp_path):
+    """blocks_to_swap only moves weights: it stays out of the training hash that resume matches on."""
+    import dataclasses
+
+    spec = make_spec(fixture_paths.mmdit, demo_cache.items[:1], tmp_path / "run", comfy_root)
+    swapped = dataclasses.replace(spec, train=dataclasses.replace(spec.train, blocks_to_swap=3))
+    assert swapped.training_hash() == spec.training_hash()
+    assert type(spec).from_json(swapped.to_json()).train.blocks_to_swap == 3
