@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import statistics
 import time
 from pathlib import Path
 
-PACK_DIR = Path(__file__).resolve().parent.parent
-
-
-def import_pack():
-    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "entry.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.import_pack()
+from _pack import import_pack
 
 
 def build_stage(device, model_path: Path):

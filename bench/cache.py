@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import tempfile
 import time
 from pathlib import Path
 
-PACK_DIR = Path(__file__).resolve().parent.parent
+from _pack import import_pack
 
 
 class SyntheticEncoders:
@@ -53,11 +52,6 @@ def make_dataset(folder: Path, items: int) -> None:
             img.with_suffix(".txt").write_text(f"synthetic picture {i}", encoding="utf-8")
 
 
-def _import_pack():
-    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "entry.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.import_pack()
 
 
 def run(items: int, workdir: Path, repeats: int = 3) -> dict[str, float]:
@@ -65,7 +59,7 @@ def run(items: int, workdir: Path, repeats: int = 3) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)  # the synthetic encoders are tiny; threads only add contention
-    _import_pack()
+    import_pack()
     from pipetrainer.training.cache.store import fill_cache
     from pipetrainer.training.dataset import scan_dataset
 

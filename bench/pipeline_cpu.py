@@ -11,7 +11,6 @@ RSS (``getrusage``) in its ``rank_done`` event. On a shared 2-core machine the f
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -19,14 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PACK_DIR = Path(__file__).resolve().parent.parent
-
-
-def import_pack():
-    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "entry.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.import_pack()
+from _pack import PACK_DIR, import_pack
 
 
 def build_items(workdir: Path):
