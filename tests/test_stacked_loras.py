@@ -50,7 +50,7 @@ def test_same_stack_gives_same_file_names_for_resume(fixture_paths, tmp_path):
     a = write_stacked_loras(model, recipe, tmp_path / "a")
     b = write_stacked_loras(model, recipe, tmp_path / "b")
     assert [p.rsplit("/", 1)[1] for p, _ in a.loras] == [p.rsplit("/", 1)[1] for p, _ in b.loras]
-    assert dataclasses.replace(recipe, loras=()) == recipe
+    assert dataclasses.replace(a, loras=()) == recipe  # only the LoRA list is added to the recipe
 
 
 def test_patches_that_are_not_plain_loras_are_refused(fixture_paths, tmp_path):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
+
+from .collectives import all_gather_objects
 
 
 def squared_norms(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
@@ -25,11 +26,8 @@ def squared_norms(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
 def global_grad_norm(params: Sequence[torch.nn.Parameter], group=None) -> torch.Tensor:
     """The L2 norm of all gradients of all stages in ``group`` (stage order = layer order)."""
     local = squared_norms(params).cpu()
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        parts: list[torch.Tensor | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, local, group=group)
-        local = torch.cat(parts)
-    return local.sum().sqrt()
+    every_stage = torch.cat(all_gather_objects(local, group)) if group is not None else local
+    return every_stage.sum().sqrt()
 
 
 def clip_by_global_norm(params: Sequence[torch.nn.Parameter], max_norm: float, group=None) -> float:

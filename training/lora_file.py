@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .process_util import process_alive
+from .spec import LoraSpec
 
 _PEFT_SUFFIXES = {
     ".lora_A.default.weight": "lora_A.weight",
@@ -63,6 +65,19 @@ def lora_state_dict(
     return out
 
 
+def stage_lora_tensors(
+    stage_module: torch.nn.Module, layer_paths: Mapping[int, Mapping[str, str]], lora: LoraSpec
+) -> dict[str, torch.Tensor]:
+    """The LoRA file tensors of one pipeline stage (what the engine saves and gathers).
+
+    ``.alpha`` is the configured alpha, never the rank: ComfyUI scales by ``alpha / rank`` exactly as
+    PEFT did during training, so the file applies at the strength that was trained.
+    """
+    from .lora_inject import named_lora_parameters
+
+    return lora_state_dict(named_lora_parameters(stage_module), layer_paths, lora.alpha)
+
+
 def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, object]) -> Path:
     """Write a safetensors file so that readers see either the old file or the complete new one."""
     path = Path(path)
@@ -81,6 +96,40 @@ def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def step_lora_name(lora_output: str | Path, run_dir: str | Path, step: int) -> str:
+    """``<lora name>-<run id>-step<N>.safetensors``: the file name of one save of one run.
+
+    The run id is the run dir's name without the ``<lora name>-`` it starts with (the node layer
+    names run dirs ``<lora name>-<time>-<random>``), so names of two runs never collide and sort by
+    run, then step."""
+    stem = Path(lora_output).stem
+    run = Path(run_dir).name
+    run_id = run[len(stem) + 1:] if run.startswith(stem + "-") and len(run) > len(stem) + 1 else run
+    return f"{stem}-{run_id}-step{step:07d}.safetensors"
+
+
+def link_or_copy(source: str | Path, target: str | Path) -> Path:
+    """Make ``target`` a second name of the finished file ``source``, atomically.
+
+    A hard link costs no disk and keeps the content even when ``source`` is later replaced (an
+    atomic save makes a new file) or deleted; across file systems, or where links are not allowed,
+    it is a copy. Readers of ``target`` see nothing or the complete file."""
+    source, target = Path(source), Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
 
 
 def _remove_dead_writers_temp_files(path: Path) -> None:
