@@ -8,6 +8,7 @@ from .cache import PipeTrainerCache
 from .configs import PipeTrainerLoRA, PipeTrainerOptimizer
 from .dataset import PipeTrainerDataset
 from .model_source import PipeTrainerLoadDiffusionModel
+from .timesteps import PipeTrainerTimesteps
 from .train import PipeTrainerTrain
 
 NODES: list[type[io.ComfyNode]] = [
@@ -16,6 +17,7 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerCache,
     PipeTrainerLoRA,
     PipeTrainerOptimizer,
+    PipeTrainerTimesteps,
     PipeTrainerTrain,
 ]
 

@@ -15,13 +15,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SPEC_VERSION = 1
+from .launch_settings import LaunchSettings
 
-WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+SPEC_VERSION = 2
+
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # the stock loader's choices
 TRAIN_DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("AdamW", "AdamW8bit")
-SCHEDULES = ("constant", "cosine")
-TIMESTEP_SAMPLING = ("uniform", "logit_normal", "shift")
+# Choices that load and sample, but cannot train; each with the reason and what to pick instead.
+UNTRAINABLE_WEIGHT_DTYPES = {
+    "fp8_e4m3fn_fast": "ComfyUI's fast fp8 path multiplies with torch._scaled_mm, which has no backward. "
+                       "Choose weight_dtype fp8_e4m3fn on the loader: the same fp8 weights and memory, "
+                       "computed through a cast that trains",
+}
+UNTRAINABLE_TRAIN_DTYPES = {
+    "fp16": "fp16 compute needs loss scaling to keep small gradients from underflowing, which PipeTrainer "
+            "does not do. Choose bf16 (same memory, fp32's range)",
+}
+OPTIMIZERS = ("AdamW", "AdamW8bit", "Adafactor", "Prodigy", "Lion", "CAME", "AdamWScheduleFree")
+SCHEDULE_FREE_OPTIMIZERS = ("AdamWScheduleFree",)  # they warm up themselves and take no schedule
+STEP_SIZE_ESTIMATING_OPTIMIZERS = ("Prodigy",)  # learning rate 1.0, one rate for every parameter group
+SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts")
+DECAYING_SCHEDULES = ("linear", "cosine", "cosine_with_restarts")
+TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal")
+TIMESTEP_SHIFTS = ("model", "none", "fixed", "resolution")
 TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -43,6 +59,63 @@ class ModelRecipe:
     weight_dtype: str = "default"
     fingerprint: str = ""
     loras: tuple[tuple[str, float], ...] = ()  # (lora file, strength) merged before training
+    sampling: SamplingOverride | None = None  # a ModelSampling* node's patch on the graph's MODEL
+
+
+@dataclass(frozen=True)
+class SamplingOverride:
+    """The ``model_sampling`` object patch of a ModelSamplingSD3 / AuraFlow / Flux node, to replay.
+
+    ``base`` and ``prediction`` name ComfyUI classes in ``comfy.model_sampling`` (e.g.
+    ``ModelSamplingDiscreteFlow`` + ``CONST``); ``parameters`` are what ``set_parameters`` takes.
+    ``probe`` holds the patched object's sigmas at a few fixed timesteps, so the training process can
+    prove that its rebuilt object is the graph's (a class with other parameters fails loudly).
+    """
+
+    base: str
+    prediction: str
+    parameters: tuple[tuple[str, float], ...]
+    probe: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class TimestepSpec:
+    """How training draws sigmas (see training/timesteps.py for the exact maps).
+
+    ``distribution`` draws u in (0, 1): ``uniform`` or ``logit_normal`` (sigmoid of N(mean, std)).
+    ``shift`` maps u to sigma: ``model`` through the model's own ``model_sampling`` (what its
+    samplers use, including a ModelSampling* node in the graph), ``none`` (sigma = u), ``fixed``
+    (``time_snr_shift(shift_value, u)``) or ``resolution`` (shift e^mu, mu linear in the image token
+    count from ``base_shift`` at 256 tokens to ``max_shift`` at 4096, like ComfyUI's ModelSamplingFlux).
+    Sigmas outside ``[sigma_min, sigma_max]`` are redrawn (e.g. one Wan 2.2 expert's range).
+    """
+
+    distribution: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: str = "model"
+    shift_value: float = 3.0
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    sigma_min: float = 0.0
+    sigma_max: float = 1.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.distribution not in TIMESTEP_DISTRIBUTIONS:
+            out.append(f"Timestep distribution {self.distribution!r} is not one of {', '.join(TIMESTEP_DISTRIBUTIONS)}.")
+        if self.shift not in TIMESTEP_SHIFTS:
+            out.append(f"Timestep shift {self.shift!r} is not one of {', '.join(TIMESTEP_SHIFTS)}.")
+        if not self.logit_std > 0:
+            out.append(f"logit_std must be positive (got {self.logit_std}).")
+        if not self.shift_value > 0:
+            out.append(f"shift_value must be positive (got {self.shift_value}).")
+        if not 0.0 <= self.sigma_min < self.sigma_max <= 1.0:
+            out.append(f"sigma_min and sigma_max must satisfy 0 <= sigma_min < sigma_max <= 1 "
+                       f"(got {self.sigma_min} and {self.sigma_max}).")
+        elif self.sigma_max - self.sigma_min < 0.01:
+            out.append(f"The sigma range [{self.sigma_min}, {self.sigma_max}] is narrower than 0.01: widen it.")
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,6 +146,15 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """The optimizer and its schedule (built by training/optimizers.py).
+
+    ``warmup_steps``: step k < warmup_steps runs at (k + 1) / warmup_steps of the rate. Decaying
+    schedules end at ``min_lr_ratio`` × the rate; ``cycles`` cosines for ``cosine_with_restarts``.
+    ``lora_plus_ratio`` > 1 trains ``lora_B`` at that multiple of the rate (LoRA+; 0 or 1 = off).
+    ``ema_decay`` > 0 also saves an exponential moving average of the adapter weights as its own file.
+    ``betas``/``eps`` are the Adam family's (Lion and CAME keep their packages' own betas).
+    """
+
     name: str = "AdamW"
     lr: float = 1e-4
     weight_decay: float = 0.01
@@ -80,6 +162,62 @@ class OptimizerSpec:
     schedule: str = "constant"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    min_lr_ratio: float = 0.0
+    cycles: int = 1
+    lora_plus_ratio: float = 0.0
+    ema_decay: float = 0.0
+
+    def problems(self, steps: int | None = None) -> list[str]:
+        """Every problem with these settings, combinations included, phrased as what to change.
+        With ``steps`` (the Train node's), also what does not fit into the run."""
+        out: list[str] = []
+        if self.name not in OPTIMIZERS:
+            out.append(f"Optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}.")
+        if not self.lr > 0:
+            out.append(f"Learning rate must be positive (got {self.lr}).")
+        if self.weight_decay < 0:
+            out.append(f"Weight decay must be >= 0 (got {self.weight_decay}).")
+        if self.warmup_steps < 0:
+            out.append(f"Warmup steps must be >= 0 (got {self.warmup_steps}).")
+        if self.schedule not in SCHEDULES:
+            out.append(f"Schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            out.append(f"min_lr_ratio is a fraction of the learning rate, in [0, 1] (got {self.min_lr_ratio}).")
+        if self.cycles < 1:
+            out.append(f"cycles must be at least 1 (got {self.cycles}).")
+        if not (self.lora_plus_ratio == 0 or self.lora_plus_ratio >= 1):
+            out.append(f"lora_plus_ratio must be 0 (off) or at least 1: lora_B learns at that multiple of the "
+                       f"learning rate (16 is usual; got {self.lora_plus_ratio}).")
+        if not 0.0 <= self.ema_decay < 1.0:
+            out.append(f"ema_decay must be in [0, 1): 0 turns the EMA off, 0.99-0.9999 are usual (got {self.ema_decay}).")
+        if self.name in SCHEDULE_FREE_OPTIMIZERS:
+            if self.schedule != "constant":
+                out.append(f"{self.name} is schedule-free: it takes no learning-rate schedule (got {self.schedule!r}). "
+                           "Set schedule to constant; warmup_steps still applies (the optimizer warms up itself).")
+            if self.ema_decay > 0:
+                out.append(f"{self.name} already averages its weights (the saved LoRA is that average): "
+                           "set ema_decay to 0.")
+        if self.name in STEP_SIZE_ESTIMATING_OPTIMIZERS:
+            if self.lr != 1.0:
+                out.append(f"{self.name} estimates its own step size and wants learning_rate 1.0 (got {self.lr:g}): "
+                           "set learning_rate to 1.0.")
+            if self.lora_plus_ratio > 1:
+                out.append(f"{self.name} takes one learning rate for all weights, so LoRA+ cannot raise lora_B's: "
+                           "set lora_plus_ratio to 0, or choose another optimizer.")
+        if self.schedule not in DECAYING_SCHEDULES and self.min_lr_ratio > 0:
+            out.append(f"min_lr_ratio ({self.min_lr_ratio:g}) applies only to a decaying schedule "
+                       f"({', '.join(DECAYING_SCHEDULES)}): choose one, or set min_lr_ratio to 0.")
+        if self.schedule != "cosine_with_restarts" and self.cycles > 1:
+            out.append(f"cycles ({self.cycles}) applies only to schedule cosine_with_restarts: choose it, "
+                       "or set cycles to 1.")
+        if steps is not None and steps >= 1:
+            if self.warmup_steps and self.warmup_steps >= steps:
+                out.append(f"warmup_steps ({self.warmup_steps}) must be fewer than the Train node's steps ({steps}): "
+                           "the warm-up would take the whole run. Lower warmup_steps or raise steps.")
+            elif self.schedule == "cosine_with_restarts" and self.cycles > steps - self.warmup_steps:
+                out.append(f"cycles ({self.cycles}) is more than the {steps - self.warmup_steps} steps after "
+                           "warm-up: lower cycles or raise steps.")
+        return out
 
 
 @dataclass(frozen=True)
@@ -88,9 +226,9 @@ class TrainSpec:
     batch_size: int = 1
     grad_accum: int = 1
     seed: int = 0
-    timestep_sampling: str = "shift"
+    timesteps: TimestepSpec = TimestepSpec()
     save_every: int = 0
-    dtype: str = "fp32"
+    dtype: str = "bf16"  # compute dtype of the frozen base; LoRA weights are always fp32
     gradient_checkpointing: bool = True
     max_grad_norm: float = 1.0  # 0 disables clipping
     pipeline_stages: int = 1
@@ -115,15 +253,26 @@ class RunSpec:
     device: str = "cpu"  # "cpu" or "cuda"
     parent_pid: int = 0  # the ComfyUI process; the trainer stops if it disappears
     resume_from: str = ""  # a checkpoint directory to continue from
+    # Where every save's LoRA also goes, named by run and step, so the stock LoraLoader lists it (a
+    # subfolder of ComfyUI's loras folder, resolved by the node layer); empty: the run dir only.
+    step_loras_dir: str = ""
     version: int = SPEC_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Options of the model's family (e.g. Flux guidance), checked against the family's typed options
+    # by training.pipelines.options; JSON scalars only.
+    family_options: dict[str, Any] = field(default_factory=dict)
+    # How the ComfyUI process was launched (attention, precision, memory flags) and the run's GPUs;
+    # the ranks apply it before ComfyUI loads (training/launch_settings.py). Not in training_hash.
+    launch: LaunchSettings = LaunchSettings()
 
     # ---- validation -------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every problem with this spec, phrased as what to change."""
         out: list[str] = []
         t, o, lo = self.train, self.optimizer, self.lora
-        if self.model.weight_dtype not in WEIGHT_DTYPES:
+        if self.model.weight_dtype in UNTRAINABLE_WEIGHT_DTYPES:
+            out.append(f"weight_dtype {self.model.weight_dtype!r} cannot train: "
+                       f"{UNTRAINABLE_WEIGHT_DTYPES[self.model.weight_dtype]}.")
+        elif self.model.weight_dtype not in WEIGHT_DTYPES:
             out.append(f"weight_dtype {self.model.weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}.")
         if not self.items:
             out.append("The cache has no items: add captioned images to the dataset folder.")
@@ -135,16 +284,7 @@ class RunSpec:
             out.append(f"LoRA dropout must be in [0, 1) (got {lo.dropout}).")
         if lo.targets not in TARGET_PRESETS:
             out.append(f"LoRA target preset {lo.targets!r} is not one of {', '.join(TARGET_PRESETS)}.")
-        if o.name not in OPTIMIZERS:
-            out.append(f"Optimizer {o.name!r} is not one of {', '.join(OPTIMIZERS)}.")
-        if not o.lr > 0:
-            out.append(f"Learning rate must be positive (got {o.lr}).")
-        if o.weight_decay < 0:
-            out.append(f"Weight decay must be >= 0 (got {o.weight_decay}).")
-        if o.warmup_steps < 0:
-            out.append(f"Warmup steps must be >= 0 (got {o.warmup_steps}).")
-        if o.schedule not in SCHEDULES:
-            out.append(f"Schedule {o.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        out += o.problems(steps=t.steps)
         if t.steps < 1:
             out.append(f"Steps must be at least 1 (got {t.steps}).")
         if t.batch_size < 1:
@@ -155,11 +295,10 @@ class RunSpec:
             out.append(f"save_every must be >= 0 (0 = only at the end; got {t.save_every}).")
         if t.max_grad_norm < 0:
             out.append(f"max_grad_norm must be >= 0 (0 disables clipping; got {t.max_grad_norm}).")
-        if t.timestep_sampling not in TIMESTEP_SAMPLING:
-            out.append(
-                f"Timestep sampling {t.timestep_sampling!r} is not one of {', '.join(TIMESTEP_SAMPLING)}."
-            )
-        if t.dtype not in TRAIN_DTYPES:
+        out += t.timesteps.problems()
+        if t.dtype in UNTRAINABLE_TRAIN_DTYPES:
+            out.append(f"Training dtype {t.dtype!r} is not supported: {UNTRAINABLE_TRAIN_DTYPES[t.dtype]}.")
+        elif t.dtype not in TRAIN_DTYPES:
             out.append(f"Training dtype {t.dtype!r} is not one of {', '.join(TRAIN_DTYPES)}.")
         if t.pipeline_stages < 1:
             out.append(f"Pipeline stages must be at least 1 (got {t.pipeline_stages}).")
@@ -179,10 +318,13 @@ class RunSpec:
                             ("model path", self.model.path), ("comfyui_path", self.comfyui_path)):
             if not value or not Path(value).is_absolute():
                 out.append(f"{name} must be an absolute path (got {value!r}).")
+        if self.step_loras_dir and not Path(self.step_loras_dir).is_absolute():
+            out.append(f"step_loras_dir must be an absolute path or empty (got {self.step_loras_dir!r}).")
         if self.lora_output and not self.lora_output.endswith(".safetensors"):
             out.append(f"lora_output must end in .safetensors (got {self.lora_output!r}).")
         if self.version != SPEC_VERSION:
             out.append(f"Spec version {self.version} is not supported (expected {SPEC_VERSION}).")
+        out += self.launch.problems(self.device, self.world_size)
         return out
 
     def validated(self) -> RunSpec:
@@ -209,14 +351,23 @@ class RunSpec:
         d = dict(data)
         model = dict(d.pop("model"))
         model["loras"] = tuple((str(p), float(s)) for p, s in model.get("loras", ()))
+        if model.get("sampling"):
+            sampling = dict(model["sampling"])
+            model["sampling"] = SamplingOverride(
+                base=sampling["base"], prediction=sampling["prediction"],
+                parameters=tuple((str(k), float(v)) for k, v in sampling["parameters"]),
+                probe=tuple(float(v) for v in sampling["probe"]))
+        train = dict(d.pop("train"))
+        train["timesteps"] = TimestepSpec(**train.get("timesteps", {}))
         opt = dict(d.pop("optimizer"))
         opt["betas"] = tuple(opt.get("betas", (0.9, 0.999)))
+        d["launch"] = LaunchSettings.from_dict(d.get("launch", {}))
         return cls(
             model=ModelRecipe(**model),
             items=tuple(CacheItem(**i) for i in d.pop("items")),
             lora=LoraSpec(**d.pop("lora")),
             optimizer=OptimizerSpec(**opt),
-            train=TrainSpec(**d.pop("train")),
+            train=TrainSpec(**train),
             **d,
         )
 
@@ -235,8 +386,9 @@ class RunSpec:
         """
         d = self.to_dict()
         keep = {
-            "model": {**{k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint")},
+            "model": {**{k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint", "sampling")},
                       "loras": [(Path(p).name, s) for p, s in d["model"]["loras"]]},
+            "family_options": d["family_options"],
             "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
                        i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
             "lora": d["lora"],

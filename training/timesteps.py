@@ -1,0 +1,88 @@
+"""Training sigmas, drawn the way the model samples (or the way the user asked), reproducibly.
+
+The default (``distribution="uniform"``, ``shift="model"``) gives exactly the sigma distribution of
+the model's inference schedule: u ~ U(0, 1) is a fraction of the way from the first to the last
+timestep and ComfyUI's own ``model_sampling`` maps it to a sigma (:func:`model_sigma`). That object
+knows the family's policy (SD3's ``time_snr_shift(3.0)``, Flux's ``flux_time_shift(mu=1.15)`` which is
+a shift of e^1.15 ~ 3.16, a ModelSampling* node's override), so nothing here guesses a shift.
+
+The other shifts follow what users of diffusion-pipe / musubi-tuner set by hand: none, a fixed shift,
+and a resolution-dependent one. Bounds redraw out-of-range sigmas, which conditions any of these
+distributions on the range (what a Wan 2.2 high- or low-noise expert trains on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import TimestepSpec
+
+SIGMA_FLOOR = 1e-4  # sigma 0 is a clean latent: no signal to learn from, and some schedules divide by it
+_REDRAW_ROUNDS = 64
+
+# ComfyUI's ModelSamplingFlux node interpolates mu linearly between these image token counts.
+_BASE_TOKENS, _MAX_TOKENS = 256, 4096
+
+
+def model_sigma(model_sampling, u: torch.Tensor) -> torch.Tensor:
+    """Sigma at fraction ``u`` of the model's timestep range, by the model's own ``model_sampling``.
+
+    ``timestep(sigma_max)`` is the last timestep in the model's units (1000 for SD3, 1 for Flux,
+    999 for discrete-time UNets), so ``sigma(u * that)`` is the inference schedule at ``u``.
+    """
+    last = model_sampling.timestep(torch.as_tensor(model_sampling.sigma_max, dtype=torch.float32)).float()
+    return model_sampling.sigma(u * last).float()
+
+
+def snr_shift(shift: float, u: torch.Tensor) -> torch.Tensor:
+    """The flow-matching shift ``shift * u / (1 + (shift - 1) * u)`` (ComfyUI's ``time_snr_shift``)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def resolution_shift(spec: TimestepSpec, image_tokens: int) -> float:
+    """e^mu with mu linear in the image token count (``base_shift`` at 256 tokens, ``max_shift`` at 4096)."""
+    slope = (spec.max_shift - spec.base_shift) / (_MAX_TOKENS - _BASE_TOKENS)
+    mu = spec.base_shift + slope * (image_tokens - _BASE_TOKENS)
+    return math.exp(mu)
+
+
+def _draw_u(n: int, spec: TimestepSpec, generator: torch.Generator) -> torch.Tensor:
+    if spec.distribution == "uniform":
+        return torch.rand(n, generator=generator)
+    if spec.distribution == "logit_normal":
+        return torch.sigmoid(spec.logit_mean + spec.logit_std * torch.randn(n, generator=generator))
+    raise ValueError(f"Unknown timestep distribution {spec.distribution!r}.")
+
+
+def _u_to_sigma(u: torch.Tensor, spec: TimestepSpec, model_sampling, image_tokens: int) -> torch.Tensor:
+    if spec.shift == "model":
+        return model_sigma(model_sampling, u)
+    if spec.shift == "none":
+        return u
+    if spec.shift == "fixed":
+        return snr_shift(spec.shift_value, u)
+    if spec.shift == "resolution":
+        return snr_shift(resolution_shift(spec, image_tokens), u)
+    raise ValueError(f"Unknown timestep shift {spec.shift!r}.")
+
+
+def sample_sigmas(n: int, spec: TimestepSpec, generator: torch.Generator, model_sampling,
+                  image_tokens: int = 0) -> torch.Tensor:
+    """``n`` sigmas for one micro-batch; ``image_tokens`` (per image) feeds the ``resolution`` shift."""
+    bounded = spec.sigma_min > 0.0 or spec.sigma_max < 1.0
+    sigma = _u_to_sigma(_draw_u(n, spec, generator), spec, model_sampling, image_tokens)
+    if bounded:
+        kept = sigma[(sigma >= spec.sigma_min) & (sigma <= spec.sigma_max)]
+        for _ in range(_REDRAW_ROUNDS):
+            if kept.numel() >= n:
+                break
+            more = _u_to_sigma(_draw_u(8 * n, spec, generator), spec, model_sampling, image_tokens)
+            kept = torch.cat((kept, more[(more >= spec.sigma_min) & (more <= spec.sigma_max)]))
+        if kept.numel() < n:
+            raise ValueError(
+                f"Almost no sigma of this timestep sampling falls in [{spec.sigma_min}, {spec.sigma_max}]: "
+                "widen the range or change the distribution or shift.")
+        sigma = kept[:n]
+    return sigma.clamp_min(SIGMA_FLOOR)
