@@ -2,41 +2,60 @@
 
 Injection is per stage layer with a seed derived from the layer index, so a layer's initial LoRA
 weights do not depend on how layers are split into stages (1-stage and N-stage runs start equal).
-LoRA parameters are kept in fp32 whatever the base weights are (bf16, fp8).
+LoRA parameters are kept in fp32 whatever the base weights are (bf16, fp8). PEFT moves a new adapter
+to its base weight's dtype, so on a bf16 or fp8 base its initial values would be rounded to that
+dtype; the initial values are therefore drawn here, in fp32 on the CPU, after injection: the same
+seed gives bit-identical initial LoRA weights on every base dtype and device.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from .pipelines.targets import layer_targets, peft_target_regex
 from .spec import LoraSpec
 
 
 def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec: LoraSpec, seed: int) -> int:
-    """Add LoRA adapters to the matching Linears of each ``(layer index, layer)``; return how many."""
+    """Add LoRA adapters to the targets of each ``(layer index, layer)``; return how many.
+
+    ``target_regex`` is the family's preset over ComfyUI module paths; :mod:`.pipelines.targets`
+    decides which Linears it selects (the same rule partitioning and preflight use), and PEFT is
+    given exactly those names. A is drawn like ``nn.Linear``'s default (Kaiming-uniform, a=sqrt(5))
+    and B is zero, both fp32.
+    """
     from peft import LoraConfig, inject_adapter_in_model
 
     count = 0
     for index, layer in layers:
-        names = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and _full_match(target_regex, n)]
+        names = list(layer_targets(layer, target_regex))
         if not names:
             continue
         config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                            target_modules=target_regex, bias="none")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 10_007 + index)
+                            target_modules=peft_target_regex(names), bias="none", init_lora_weights=False)
+        with torch.random.fork_rng(devices=[]):  # PEFT's throw-away default init must not move the global RNG
             inject_adapter_in_model(config, layer)
+        _init_fp32(layer, torch.Generator().manual_seed(seed * 10_007 + index))
         count += len(names)
     return count
 
 
-def _full_match(regex: str, name: str) -> bool:
-    import re
+def _init_fp32(layer: nn.Module, generator: torch.Generator) -> None:
+    """fp32 A (Kaiming-uniform, drawn on the CPU from ``generator``) and zero B for every adapter in ``layer``."""
+    from peft.tuners.lora import LoraLayer
 
-    return re.fullmatch(regex, name) is not None
+    for module in (m for m in layer.modules() if isinstance(m, LoraLayer)):  # a fixed order: the module tree's
+        for adapter in sorted(module.lora_A.keys()):
+            lora_a, lora_b = module.lora_A[adapter].float(), module.lora_B[adapter].float()
+            init = torch.empty(lora_a.weight.shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+            with torch.no_grad():
+                lora_a.weight.copy_(init)
+                lora_b.weight.zero_()
 
 
 def freeze_all_but_lora(module: nn.Module) -> list[nn.Parameter]:

@@ -7,10 +7,14 @@ weights behave exactly as they do in the graph. LoRAs stacked on the input MODEL
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .fingerprint import file_fingerprint
+from .sampling_override import apply_sampling_override
 from .spec import ModelRecipe
+from .stage_weights import DeferredWeights, release_modules
 
 _WEIGHT_DTYPES = {
     "default": {},
@@ -19,21 +23,50 @@ _WEIGHT_DTYPES = {
     "fp8_e5m2": {"dtype": torch.float8_e5m2},
 }
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def model_options(weight_dtype: str, compute_dtype: str = "fp32") -> dict:
-    """ComfyUI ``model_options`` for UNETLoader's ``weight_dtype`` choice (the same mapping it uses)."""
+
+def model_options(weight_dtype: str, compute_dtype: str | None = None) -> dict:
+    """ComfyUI ``model_options`` for UNETLoader's ``weight_dtype`` choice.
+
+    Without ``compute_dtype`` this is the stock loader's own mapping (the graph's MODEL, for
+    inference): ComfyUI picks the storage dtype of "default" weights from the device, e.g. bf16 or
+    fp16 on CUDA. With one (the training process), "default" weights are stored in the compute dtype,
+    so ``fp32`` means fp32 on every device; fp8 weights stay fp8 and get their compute dtype from
+    :func:`use_compute_dtype` after loading, because ComfyUI's loader has no option for it.
+    """
     options = dict(_WEIGHT_DTYPES[weight_dtype])
-    if "dtype" not in options and compute_dtype == "bf16":
-        options["dtype"] = torch.bfloat16
+    if compute_dtype is not None and "dtype" not in options:
+        options["dtype"] = COMPUTE_DTYPES[compute_dtype]
     return options
+
+
+def use_compute_dtype(patcher, compute_dtype: str) -> None:
+    """Make the model compute in ``compute_dtype`` whatever its weights are stored in.
+
+    ComfyUI chooses a manual-cast dtype at load time from the device and the model's supported
+    inference dtypes (fp16 on many GPUs for SD3, fp32 on CPU). Its manual-cast layers cast each weight
+    to the dtype of their input, and the trainer feeds inputs in ``manual_cast_dtype`` (or the weight
+    dtype when that is None; training/data.py), so setting it here decides the compute dtype. fp8
+    weights always get manual-cast layers from ComfyUI, so the cast happens in every Linear.
+    """
+    compute = COMPUTE_DTYPES[compute_dtype]
+    model = patcher.model
+    cast = None if model.get_dtype() == compute else compute
+    model.manual_cast_dtype = cast
+    model.model_config.manual_cast_dtype = cast
 
 
 class StaleRecipeError(RuntimeError):
     pass
 
 
-def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32"):
-    """A ComfyUI ModelPatcher for the recipe, with stacked LoRAs merged into the weights."""
+def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: DeferredWeights | None = None):
+    """A ComfyUI ModelPatcher for the recipe computing in ``compute_dtype``, stacked LoRAs merged.
+
+    With ``deferred``, ComfyUI's loader runs as usual but the weights are kept aside in it, not
+    loaded, and stacked LoRAs stay pending: :func:`finish_loading` loads one pipeline stage's share.
+    """
     import comfy.sd
     import comfy.utils
 
@@ -43,23 +76,48 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32"):
         )
     if recipe.loader != "diffusion_model":
         raise ValueError(f"Unknown model loader {recipe.loader!r} in the run spec.")
-    patcher = comfy.sd.load_diffusion_model(recipe.path, model_options=model_options(recipe.weight_dtype, compute_dtype))
+    options = model_options(recipe.weight_dtype, compute_dtype)
+    if deferred is None:
+        patcher = comfy.sd.load_diffusion_model(recipe.path, model_options=options)
+    else:
+        with deferred.capture():
+            patcher = comfy.sd.load_diffusion_model(recipe.path, model_options=options)
+        if not deferred.captured:
+            raise RuntimeError("This ComfyUI loaded the model without the state-dict load PipeTrainer defers; "
+                               "report the ComfyUI version. Training cannot load stages separately.")
+    use_compute_dtype(patcher, compute_dtype)
     for lora_path, strength in recipe.loras:
         lora = comfy.utils.load_torch_file(lora_path, safe_load=True)
         patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
-    if recipe.loras:
+    if recipe.loras and deferred is None:
         _merge_patches(patcher)
+    apply_sampling_override(patcher, recipe.sampling)
     return patcher
 
 
-def _merge_patches(patcher) -> None:
-    """Bake the patcher's LoRA patches into the module weights (frozen base for training)."""
+def finish_loading(patcher, deferred: DeferredWeights, foreign_paths: Sequence[str]) -> list[str]:
+    """Load the weights of everything but ``foreign_paths`` (other stages' modules, paths in the
+    diffusion model), merge stacked LoRAs into those weights only, and free the foreign modules."""
+    dm = patcher.model.diffusion_model
+    loaded = deferred.load(dm, skip=foreign_paths)
+    _merge_patches(patcher, keep={f"diffusion_model.{key}" for key in loaded})
+    release_modules(dm, foreign_paths)
+    return loaded
+
+
+def _merge_patches(patcher, keep: set[str] | None = None) -> None:
+    """Bake the patcher's LoRA patches into the module weights (frozen base for training).
+
+    With ``keep``, only those weights are merged (one stage's); patches of the others are dropped.
+    """
     import comfy.lora
     import comfy.utils
 
     model = patcher.model
     with torch.no_grad():
         for key, patches in patcher.patches.items():
+            if keep is not None and key not in keep:
+                continue
             weight = comfy.utils.get_attr(model, key)
             # calculate_weight works in place: give it a detached fp32 copy, never the parameter itself.
             work = weight.detach().to(torch.float32, copy=True)
