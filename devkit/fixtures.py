@@ -2,11 +2,14 @@
 
 Nothing is downloaded: weights are seeded random tensors saved in the layout ComfyUI's stock loaders
 detect from shapes (UNETLoader, CLIPLoader, VAELoader). The files are rebuilt only when missing, and
-the same seed always gives the same bytes, so file fingerprints are stable across machines.
+the same seed always gives the same bytes, so file fingerprints are stable across machines (for one
+ComfyUI version: key names follow its classes, e.g. current ComfyUI's Flux RMSNorm weights are
+``.weight`` where 0.3.75 has ``.scale``; both load through ComfyUI's own loaders).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +119,23 @@ def build_tiny_taesd16(path: Path, seed: int = 999) -> Path:
     return path
 
 
+def flux_params(**params) -> dict:
+    """Keyword arguments for ComfyUI's ``Flux`` class on whichever ComfyUI is imported.
+
+    ``FluxParams`` grows with ComfyUI: current versions (seen on 0.28) require ``txt_ids_dims`` (the
+    rotary axes along which text tokens count up; ``[]`` for Flux.1, whose text positions are all
+    zero), which 0.3.75 does not know. Flux.1 values are filled in for such fields when this host's
+    dataclass has them; everything in ``params`` is passed as given.
+    """
+    import dataclasses
+
+    from comfy.ldm.flux.model import FluxParams
+
+    fields = {f.name for f in dataclasses.fields(FluxParams)}
+    flux1 = {"txt_ids_dims": []}
+    return {**{k: v for k, v in flux1.items() if k in fields}, **params}
+
+
 def build_min_flux(path: Path, seed: int = 77) -> Path:
     """The smallest Flux ComfyUI detects: hidden 3072, 1 double + 1 single block, 768-d context/vec.
 
@@ -129,14 +149,58 @@ def build_min_flux(path: Path, seed: int = 77) -> Path:
     from safetensors.torch import save_file
 
     model = Flux(
-        in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=768, hidden_size=3072,
-        mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000,
-        patch_size=2, qkv_bias=True, guidance_embed=False, image_model="flux",
-        operations=torch.nn, dtype=torch.bfloat16, device="meta",
+        image_model="flux", operations=torch.nn, dtype=torch.bfloat16, device="meta",
+        **flux_params(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=768, hidden_size=3072,
+                      mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
+                      theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False),
     )
     state = _randomize(model.state_dict(), seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
+    return path
+
+
+WAN_T2V_FILE = "pipetrainer-tiny-wan-t2v.safetensors"
+
+
+def _randomize_scaled(state: dict, seed: int) -> dict:
+    """Seeded weights of the scale a trained network has: matrices ~ 1/sqrt(fan in), norm weights near 1,
+    biases and modulations small, so every path (attention, RoPE, modulation) matters numerically."""
+    import torch
+
+    g = _seeded(seed)
+    out = {}
+    for name in sorted(state):
+        t = state[name]
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        leaf = name.rsplit(".", 2)[-2] if name.count(".") else name
+        if name.endswith(".weight") and "norm" in leaf:
+            value = 1.0 + 0.1 * noise
+        elif name.endswith(".weight") and t.ndim >= 2:
+            value = noise / math.sqrt(math.prod(t.shape[1:]))
+        elif name.endswith("modulation"):
+            value = 0.1 * noise
+        else:
+            value = 0.02 * noise
+        out[name] = value.to(t.dtype).contiguous()
+    return out
+
+
+def build_tiny_wan_t2v(path: Path, seed: int = 2121) -> Path:
+    """Wan 2.1 text-to-video with the smallest dims ComfyUI's detection accepts: 1.1 M parameters.
+
+    Detection reads dim (128, so 128 // 128 = 1 head), ffn (256), blocks (2), in/out channels (16) from
+    the keys and shapes, and pins ``text_dim`` to 4096 (UMT5-XXL); the file carries no metadata config.
+    """
+    import torch
+    from comfy.ldm.wan.model import WanModel
+    from safetensors.torch import save_file
+
+    model = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=128, ffn_dim=256, freq_dim=256,
+                     text_dim=4096, out_dim=16, num_heads=1, num_layers=2, device="meta", operations=torch.nn)
+    state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_randomize_scaled(state, seed), str(path))
     return path
 
 

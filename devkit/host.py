@@ -34,16 +34,26 @@ def comfyui_root() -> Path:
 
 
 def ensure_host() -> Path:
-    """Unpack ComfyUI (unless COMFYUI_PATH is set) and link this pack into its custom_nodes."""
+    """Unpack ComfyUI (unless COMFYUI_PATH is set) and link this pack into its custom_nodes.
+
+    With ``COMFYUI_PATH`` (e.g. a current ComfyUI next to the pinned 0.3.75) that tree is used as is:
+    fixtures are built in its ``models`` and ``input`` folders, and this checkout is what its
+    ``custom_nodes/ComfyUI-PipeTrainer`` must be.
+    """
     root = comfyui_root()
     if not (root / "main.py").exists():
         if os.environ.get("COMFYUI_PATH"):
             raise FileNotFoundError(f"COMFYUI_PATH={root} has no main.py: point it at a ComfyUI checkout.")
         _unpack_vendored_comfyui(root)
     link = root / "custom_nodes" / PACK_LINK_NAME
+    if link.is_symlink() and link.resolve() != PACK_DIR:  # a link to another checkout: this one is tested
+        link.unlink()
     if not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(PACK_DIR, target_is_directory=True)
+    elif link.resolve() != PACK_DIR:
+        raise RuntimeError(f"{link} is another copy of this pack: ComfyUI would load it instead of {PACK_DIR}. "
+                           "Move it out of custom_nodes, or point COMFYUI_PATH at another ComfyUI.")
     return root
 
 

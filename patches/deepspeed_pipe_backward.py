@@ -9,9 +9,13 @@ partial gradients in a different order than in a 1-stage run: 1-stage and N-stag
 is the plain autograd semantics and restores both the speed and the bitwise oracle.
 
 The patch is per engine (the engine's own instruction map), not global, and only replaces the plain
-case (no pipe/grad partitioning, no BF16 optimizer wrapper); every other case keeps DeepSpeed's code.
-Checked against DeepSpeed 0.19.8; :func:`needs_single_backward` turns it off if DeepSpeed stops
-looping per tensor.
+case (no pipe/grad partitioning, no BF16 optimizer wrapper). Checked against DeepSpeed 0.19.8.
+
+When it cannot apply (DeepSpeed no longer loops per tensor, or the engine state it relies on is
+gone, or the engine is not the plain case) it **falls back** to DeepSpeed's own backward and says so
+once, in the rank's log, as a ``[pipetrainer]`` line. Falling back rather than refusing is the
+choice because DeepSpeed's backward trains correctly: the patch buys speed and the bitwise
+1-stage/N-stage oracle, not correctness.
 """
 
 from __future__ import annotations
@@ -24,28 +28,54 @@ _MARK = "_pipetrainer_single_backward"
 _PER_TENSOR_LOOP = "retain_graph=(i < len(out_tensors) - 1)"
 _ENGINE_ATTRS = ("pipe_buffers", "grad_layer", "is_pipe_partitioned", "is_grad_partitioned",
                  "using_bf16_optimizer", "_running_engine_backward")
+_TESTED = "deepspeed 0.19.8"
 
 
-class PatchTargetMissing(RuntimeError):
-    pass
-
-
-def _backward_instruction():
+def _backward_instruction(engine_type: type):
+    """``(BackwardPass, the function the engine class runs for it)``, or None if that map is gone."""
     from deepspeed.runtime.pipe import schedule
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    if not hasattr(PipelineEngine, "_INSTRUCTION_MAP") or schedule.BackwardPass not in PipelineEngine._INSTRUCTION_MAP:
-        raise PatchTargetMissing(
-            "deepspeed PipelineEngine._INSTRUCTION_MAP[BackwardPass] is gone in this DeepSpeed version; "
-            "update patches/deepspeed_pipe_backward.py (pinned: deepspeed 0.19.8)."
-        )
-    return schedule.BackwardPass, PipelineEngine._INSTRUCTION_MAP[schedule.BackwardPass]
+    table = getattr(engine_type, "_INSTRUCTION_MAP", None)
+    if not isinstance(table, dict) or schedule.BackwardPass not in table:
+        return None
+    return schedule.BackwardPass, table[schedule.BackwardPass]
 
 
-def needs_single_backward() -> bool:
-    """True while DeepSpeed back-propagates a stage's outputs one tensor at a time."""
-    _, original = _backward_instruction()
-    return _PER_TENSOR_LOOP in inspect.getsource(original)
+def _loops_per_tensor(backward) -> bool:
+    try:
+        return _PER_TENSOR_LOOP in inspect.getsource(backward)
+    except (OSError, TypeError):  # no source to read: cannot tell, so do not replace it
+        return False
+
+
+def needs_single_backward(engine_type: type | None = None) -> bool:
+    """True while DeepSpeed's pipeline engine back-propagates a stage's outputs one tensor at a time."""
+    if engine_type is None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        engine_type = PipelineEngine
+    found = _backward_instruction(engine_type)
+    return found is not None and _loops_per_tensor(found[1])
+
+
+def why_not_applicable(engine) -> str | None:
+    """Why the single backward cannot replace this engine's backward pass, or None when it can."""
+    found = _backward_instruction(type(engine))
+    if found is None:
+        return ("DeepSpeed's PipelineEngine has no _INSTRUCTION_MAP[BackwardPass] any more "
+                f"(the patch was written for {_TESTED})")
+    if not _loops_per_tensor(found[1]):
+        return ("DeepSpeed's pipeline backward no longer loops over a stage's outputs one tensor at a time "
+                f"(the patch was written for {_TESTED})")
+    missing = [a for a in _ENGINE_ATTRS if not hasattr(engine, a)]
+    if missing:
+        return f"DeepSpeed's PipelineEngine lacks {', '.join(missing)} (the patch was written for {_TESTED})"
+    configured = [name for name, on in (("pipe partitioning", engine.is_pipe_partitioned),
+                                        ("grad partitioning", engine.is_grad_partitioned),
+                                        ("DeepSpeed's BF16 optimizer", engine.using_bf16_optimizer)) if on]
+    if configured:
+        return f"this engine uses {', '.join(configured)}, which the patch leaves to DeepSpeed"
+    return None
 
 
 def _plain_case(engine) -> bool:
@@ -53,17 +83,22 @@ def _plain_case(engine) -> bool:
                 or engine.using_bf16_optimizer)
 
 
-def use_single_backward(engine) -> None:
-    """Make this pipeline ``engine`` run one autograd pass over all float outputs of its stage."""
-    instruction, original = _backward_instruction()
-    if not needs_single_backward():
-        return
-    missing = [a for a in _ENGINE_ATTRS if not hasattr(engine, a)]
-    if missing:
-        raise PatchTargetMissing(
-            f"deepspeed PipelineEngine lacks {', '.join(missing)}; update patches/deepspeed_pipe_backward.py "
-            "(pinned: deepspeed 0.19.8)."
-        )
+def use_single_backward(engine) -> bool:
+    """Make this pipeline ``engine`` run one autograd pass over all float outputs of its stage.
+
+    Returns True when the patch is in place. Otherwise the engine keeps DeepSpeed's own backward and
+    one ``[pipetrainer]`` line in the rank log says why and what that costs (a rank builds one engine,
+    so this speaks once per rank).
+    """
+    reason = why_not_applicable(engine)
+    if reason is not None:
+        print(f"[pipetrainer] DeepSpeed pipeline backward patch NOT applied: {reason}. Falling back to "
+              "DeepSpeed's own backward (one pass per stage output): training stays correct, but shared "
+              "layers are back-propagated once per output, and runs with N pipeline stages are no longer "
+              "bit-identical to 1-stage runs. If DeepSpeed changed, update patches/deepspeed_pipe_backward.py "
+              f"or install {_TESTED.replace(' ', '==')}.", flush=True)
+        return False
+    instruction, original = _backward_instruction(type(engine))
 
     def backward_pass(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -84,8 +119,12 @@ def use_single_backward(engine) -> None:
 
     setattr(backward_pass, _MARK, True)
     engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, instruction: backward_pass}
+    print("[pipetrainer] DeepSpeed pipeline backward patch applied: one autograd pass over each stage's "
+          "outputs (bit-identical 1-stage and N-stage runs).", flush=True)
+    return True
 
 
 def is_applied(engine) -> bool:
-    instruction, _ = _backward_instruction()
-    return bool(getattr(engine._INSTRUCTION_MAP.get(instruction), _MARK, False))
+    found = _backward_instruction(type(engine))
+    table = getattr(engine, "_INSTRUCTION_MAP", None) or {}
+    return found is not None and bool(getattr(table.get(found[0]), _MARK, False))

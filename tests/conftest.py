@@ -25,13 +25,20 @@ _import_pack()
 
 from pipetrainer.devkit.fixtures import FixturePaths, ensure_fixtures  # noqa: E402
 from pipetrainer.devkit.host import ComfyServer, ensure_host  # noqa: E402
-from pipetrainer.training.comfy_env import use_comfyui  # noqa: E402
+from pipetrainer.training.comfy_env import enable_comfy_training_mode, use_comfyui  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def comfy_root() -> Path:
+    """The ComfyUI host, importable here, in training mode like the training process.
+
+    Tests build stage layers and back-propagate in this process: on current ComfyUI that needs
+    ``comfy.model_management.in_training`` (see :func:`enable_comfy_training_mode`). ComfyUI's own
+    forwards in these tests then take the same (plain PyTorch) RoPE path as the stage layers.
+    """
     root = ensure_host()
     use_comfyui(root, "cpu")
+    enable_comfy_training_mode()
     return root
 
 
@@ -79,3 +86,6 @@ def demo_cache(encoders, fixture_paths, tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("PIPETRAINER_THREADS", "1")
+    # Runs start cold unless a test asks for pre-started trees (tests/test_warm.py builds its own pool):
+    # a warm tree left by one test would otherwise import torch in the background of the next.
+    os.environ.setdefault("PIPETRAINER_WARM", "0")

@@ -19,17 +19,22 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.utils.checkpoint
+from pipetrainer.devkit.fixtures import flux_params
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.data import load_examples
 from pipetrainer.training.lora_file import atomic_save, lora_state_dict
 from pipetrainer.training.lora_inject import inject_lora, named_lora_parameters
-from pipetrainer.training.pipelines.base import adapter_for, family_name_for
-from pipetrainer.training.pipelines.flux import DEFAULT_GUIDANCE, FluxAdapter
+from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for
+from pipetrainer.training.pipelines.flux import FluxAdapter, FluxOptions
+from pipetrainer.training.pipelines.targets import layer_targets, model_targets
 from pipetrainer.training.spec import LoraSpec
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+# ComfyUI's guidance when a graph sets none (model_base.Flux.extra_conds): the fidelity oracles use it.
+COMFY_DEFAULT = FluxOptions(guidance=3.5)
 
 
 def _small_flux(dtype: torch.dtype, guidance_embed: bool, depth: int = 2, depth_single: int = 2, seed: int = 0):
@@ -37,11 +42,11 @@ def _small_flux(dtype: torch.dtype, guidance_embed: bool, depth: int = 2, depth_
     from comfy.ldm.flux.model import Flux
 
     torch.manual_seed(seed)
-    model = Flux(
+    model = Flux(operations=torch.nn, dtype=dtype, **flux_params(
         in_channels=4, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0,
         num_heads=2, depth=depth, depth_single_blocks=depth_single, axes_dim=[8, 12, 12], theta=10000,
-        patch_size=2, qkv_bias=True, guidance_embed=guidance_embed, operations=torch.nn, dtype=dtype,
-    )
+        patch_size=2, qkv_bias=True, guidance_embed=guidance_embed,
+    ))
     with torch.no_grad():
         for p in model.parameters():  # larger than default init so every path matters numerically
             p.normal_(0.0, 0.2)
@@ -108,11 +113,11 @@ def test_small_flux_stage_layers_equal_comfyui_forward(comfy_root, guidance_embe
     model = _small_flux(torch.float32, guidance_embed)
     x, t, context, y = _small_inputs(torch.float32, *hw)
     adapter = FluxAdapter()
-    guidance = adapter.first_stage_inputs(x, t, context, y)[-1]
-    assert torch.equal(guidance, torch.full((x.shape[0],), DEFAULT_GUIDANCE))
+    guidance = adapter.first_stage_inputs(Batch(x, t, context, y, options=COMFY_DEFAULT))[-1]
+    assert torch.equal(guidance, torch.full((x.shape[0],), COMFY_DEFAULT.guidance))
     with torch.no_grad():
         expected = model(x.clone(), t, context.clone(), y=y, guidance=guidance.clone())
-        got = _run_layers(adapter.stage_layers(model), adapter.first_stage_inputs(x, t, context, y))
+        got = _run_layers(adapter.stage_layers(model), adapter.first_stage_inputs(Batch(x, t, context, y, options=COMFY_DEFAULT)))
     assert got.shape == x.shape
     assert torch.equal(got, expected)
 
@@ -122,7 +127,7 @@ def test_small_flux_guidance_changes_output_only_with_guidance_embed(comfy_root)
     adapter = FluxAdapter()
     for guidance_embed in (False, True):
         layers = adapter.stage_layers(_small_flux(torch.float32, guidance_embed))
-        inputs = adapter.first_stage_inputs(x, t, context, y)
+        inputs = adapter.first_stage_inputs(Batch(x, t, context, y, options=COMFY_DEFAULT))
         other = (*inputs[:-1], torch.full_like(inputs[-1], 1.0))
         with torch.no_grad():
             same = torch.equal(_run_layers(layers, inputs), _run_layers(layers, other))
@@ -135,7 +140,7 @@ def test_small_flux_without_pooled_vector_uses_zeros_like_comfyui(comfy_root):
     adapter = FluxAdapter()
     with torch.no_grad():
         expected = model(x.clone(), t, context.clone(), y=None)
-        got = _run_layers(adapter.stage_layers(model), adapter.first_stage_inputs(x, t, context, None))
+        got = _run_layers(adapter.stage_layers(model), adapter.first_stage_inputs(Batch(x, t, context, None, options=COMFY_DEFAULT)))
     assert torch.equal(got, expected)
 
 
@@ -156,7 +161,7 @@ def test_small_flux_gradients_match_finite_differences(comfy_root, depths):
     weight = blocks[0].img_attn.qkv.weight if depths[0] else blocks[0].linear1.weight
     model.requires_grad_(False)
     weight.requires_grad_(True)
-    rest = (t, context, y, torch.full((1,), DEFAULT_GUIDANCE, dtype=torch.float64))
+    rest = (t, context, y, torch.full((1,), COMFY_DEFAULT.guidance, dtype=torch.float64))
 
     def grads(checkpoint: bool):
         weight.grad = None
@@ -194,7 +199,7 @@ def test_small_flux_stage_tuples_follow_the_pipeline_rules(comfy_root):
     adapter = FluxAdapter()
     layers = adapter.stage_layers(model)
     x, t, context, y = _small_inputs(torch.float32, 6, 6)
-    out = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in adapter.first_stage_inputs(x, t, context, y))
+    out = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in adapter.first_stage_inputs(Batch(x, t, context, y, options=COMFY_DEFAULT)))
     for layer in layers[:-1]:
         out = layer(out)
         assert isinstance(out, tuple)
@@ -210,12 +215,8 @@ def test_flux_lora_presets_select_comfyui_linears(comfy_root):
 
     def selected(preset):
         regex = adapter.lora_target_regex(preset)
-        names = set()
-        for layer in layers:
-            for name, module in layer.named_modules():
-                if isinstance(module, torch.nn.Linear) and re.fullmatch(regex, name):
-                    attr, _, inner = name.partition(".")
-                    names.add(f"{layer.comfy_paths[attr]}.{inner}")
+        names = {path for layer in layers for path in layer_targets(layer, regex).values()}
+        assert names == set(model_targets(model, regex))  # the stage layers and the whole model agree
         return names
 
     attention = {f"double_blocks.0.{s}_attn.{p}" for s in ("img", "txt") for p in ("qkv", "proj")}
@@ -230,18 +231,18 @@ def test_flux_lora_presets_select_comfyui_linears(comfy_root):
 def test_flux_relatives_are_refused_with_a_clear_error(comfy_root):
     from comfy.ldm.flux.model import Flux
 
-    flux2 = Flux(
+    flux2 = Flux(operations=torch.nn, **flux_params(
         in_channels=4, out_channels=4, vec_in_dim=None, context_in_dim=8, hidden_size=64, mlp_ratio=2.0,
         num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 8, 8, 8], theta=10000, patch_size=2,
-        qkv_bias=False, guidance_embed=False, global_modulation=True, operations=torch.nn,
-    )
+        qkv_bias=False, guidance_embed=False, global_modulation=True,
+    ))
     with pytest.raises(NotImplementedError, match="Flux.2"):
         FluxAdapter().stage_layers(flux2)
-    fill = Flux(
+    fill = Flux(operations=torch.nn, **flux_params(
         in_channels=8, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0,
         num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
-        qkv_bias=True, guidance_embed=True, operations=torch.nn,
-    )
+        qkv_bias=True, guidance_embed=True,
+    ))
     with pytest.raises(NotImplementedError, match="Fill"):
         FluxAdapter().stage_layers(fill)
     with pytest.raises(NotImplementedError, match="cannot train"):
@@ -297,7 +298,7 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
     timestep = model.model_sampling.timestep(sigma).float()
     # The conditioning exactly as ComfyUI's samplers build it from a CLIP-L CONDITIONING.
     conds = model.extra_conds(noise=x0, device=torch.device("cpu"), cross_attn=cond, pooled_output=pooled)
-    assert conds["guidance"].cond.item() == DEFAULT_GUIDANCE  # the adapter trains with ComfyUI's default
+    assert conds["guidance"].cond.item() == COMFY_DEFAULT.guidance  # compared at ComfyUI's default
 
     def comfy_forward(n):
         return dm(n.clone(), timestep, context=conds["c_crossattn"].cond, y=conds["y"].cond,
@@ -316,7 +317,7 @@ def test_min_flux_stage_layers_with_lora_equal_comfyui_with_the_saved_lora(flux_
         for name, p in params.items():
             if ".lora_B." in name:
                 p.normal_(0.0, 0.01, generator=g)
-        ours = [_run_layers([m for _, m in layers], adapter.first_stage_inputs(n, timestep, cond, pooled))
+        ours = [_run_layers([m for _, m in layers], adapter.first_stage_inputs(Batch(n, timestep, cond, pooled, options=COMFY_DEFAULT)))
                 for n in noisy]
     tensors = lora_state_dict(params, {i: m.comfy_paths for i, m in layers}, lora.alpha)
     lora_path = atomic_save(tensors, tmp_path / "flux-lora.safetensors", {"family": "Flux"})
@@ -405,3 +406,26 @@ def test_min_flux_two_stage_pipeline_equals_one_stage(one_stage_run, flux_path, 
     assert losses(events) == losses(one_events)  # bit-identical in fp32
     one, two = load_file(one_spec.lora_output), load_file(spec.lora_output)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    _assert_each_rank_holds_only_its_stage(one_events, events)
+
+
+def _assert_each_rank_holds_only_its_stage(one_events: list[dict], events: list[dict]) -> None:
+    """No rank holds another stage's weights, and each rank's memory for the model follows its share.
+
+    Memory for the model = peak RSS minus the RSS before loading (imports: ~0.7 GB here, the same in
+    every rank). Flux-min has one double and one single block, so the best split by parameters gives
+    stage 0 about 70 % of the weights; each rank may use its share of the 1-stage run's model memory
+    plus 10 % of it (the file pages it reads, activations). Measured: 1 stage 3741 MB peak; 2 stages
+    2822 MB (rank 0, 0.75x) and 1657 MB (rank 1, 0.44x).
+    """
+    def by_rank(evs, kind):
+        return {e["rank"]: e for e in evs if e["type"] == kind}
+
+    one_model = by_rank(one_events, "rank_done")[0]["peak_rss_mb"] - by_rank(one_events, "rank_memory")[0]["before_load_mb"]
+    stages = {e["stage"]: e for e in events if e["type"] == "stage_memory"}
+    whole = sum(e["local_bytes"] for e in stages.values())
+    assert sorted(stages) == [0, 1] and all(e["foreign_bytes"] == 0 for e in stages.values())
+    for rank, done in by_rank(events, "rank_done").items():
+        share = stages[done["stage"]]["local_bytes"] / whole
+        model = done["peak_rss_mb"] - by_rank(events, "rank_memory")[rank]["before_load_mb"]
+        assert model <= (share + 0.1) * one_model, (rank, model, share, one_model)
