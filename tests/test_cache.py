@@ -7,6 +7,7 @@ dataset folder and cache folder, so only the encodes a test causes are paid for.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -221,3 +222,87 @@ def test_a_different_file_with_the_same_size_and_mtime_is_not_trusted(work, enco
     r = _cache(work, encoders).report
     assert r.rehashed == ["demo_00.png"] and r.skipped == []
     assert r.reencoded == ["demo_00.png latent: source bytes changed"]
+
+
+def test_changed_clip_skip_reencodes_every_caption_and_nothing_else(work, encoders):
+    _, clip = encoders
+    plain = _cache(work, encoders)
+    skipped = clip.clone()
+    skipped.clip_layer(-2)  # what CLIPSetLastLayer does
+    r = build_cache(scan_dataset(work[0], 64), encoders[0], skipped, work[1])
+    assert r.report.encoded == {"text": 4} and r.report.reused == {"latent": 4}
+    assert len(r.report.reencoded) == 4
+    assert all(line.endswith("text: text encoder changed (layer None -> -2)") for line in r.report.reencoded)
+    old, new = load_examples(plain.items), load_examples(r.items)
+    assert all(not torch.equal(a.cond, b.cond) for a, b in zip(old, new, strict=True))
+    assert all(torch.equal(a.latent, b.latent) for a, b in zip(old, new, strict=True))
+    back = _cache(work, encoders)  # the default layer's entries are still there
+    assert back.report.encoded == {} and [i.text_key for i in back.items] == [i.text_key for i in plain.items]
+
+
+def _clip_lora(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    key = "text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj"
+    g = torch.Generator().manual_seed(seed)
+    return {f"{key}.lora_up.weight": torch.randn(768, rank, generator=g) * 0.1,
+            f"{key}.lora_down.weight": torch.randn(rank, 768, generator=g) * 0.1,
+            f"{key}.alpha": torch.tensor(float(rank))}
+
+
+def test_text_encoder_identity_keys_tokenizer_options_and_lora_patches(encoders):
+    import comfy.sd
+    from pipetrainer.training.cache.encoders import text_encoder_identity, weights_fingerprint
+
+    _, clip = encoders
+    plain = text_encoder_identity(clip)
+    assert text_encoder_identity(clip.clone()) == plain
+    padded = clip.clone()
+    padded.set_tokenizer_option("clip_l_min_padding", 4)
+    assert text_encoder_identity(padded)["tokenizer"] != plain["tokenizer"]
+    _, lora = comfy.sd.load_lora_for_models(None, clip, _clip_lora(1), 0, 1.0)
+    _, weaker = comfy.sd.load_lora_for_models(None, clip, _clip_lora(1), 0, 0.5)
+    _, other = comfy.sd.load_lora_for_models(None, clip, _clip_lora(2), 0, 1.0)
+    ids = [text_encoder_identity(c) for c in (lora, weaker, other)]
+    assert len({i["patches"] for i in ids} | {plain["patches"]}) == 4
+    assert all(i["weights"] == plain["weights"] for i in ids)
+    before = clip.encode_from_tokens(clip.tokenize("a cat"))
+    lora.encode_from_tokens(lora.tokenize("a cat"))  # loads the LoRA'd clone: its patches now sit in the weights
+    assert weights_fingerprint(clip.cond_stage_model) != plain["weights"].split(":")[0]
+    assert text_encoder_identity(clip) == plain  # the identity reads the backed-up original weights
+    assert torch.equal(clip.encode_from_tokens(clip.tokenize("a cat")), before)  # ComfyUI unpatches on reload
+
+
+def test_lora_on_the_text_encoder_reencodes_the_captions(work, encoders):
+    import comfy.sd
+
+    _cache(work, encoders)
+    _, lora = comfy.sd.load_lora_for_models(None, encoders[1], _clip_lora(3), 0, 1.0)
+    r = build_cache(scan_dataset(work[0], 64), encoders[0], lora, work[1]).report
+    assert r.encoded == {"text": 4} and r.reused == {"latent": 4}
+    assert all(line.endswith("text: text encoder changed (patches changed)") for line in r.reencoded)
+    assert _cache(work, encoders).report.encoded == {}  # the plain encoder's identity is unchanged
+
+
+def test_a_text_encoder_the_key_cannot_describe_is_refused(work, encoders):
+    from pipetrainer.training.cache.encoders import UnkeyableTextEncoder, text_encoder_problems
+
+    patched = encoders[1].clone()
+    patched.patcher.add_object_patch("clip_l.transformer.text_model.final_layer_norm", torch.nn.Identity())
+    problems = text_encoder_problems(patched)
+    assert len(problems) == 1 and "object patches" in problems[0] and "LoRA loader" in problems[0]
+    with pytest.raises(UnkeyableTextEncoder, match="object patches"):
+        build_cache(scan_dataset(work[0], 64), encoders[0], patched, work[1])
+
+
+def test_a_compute_dtype_object_patch_is_keyed_not_refused(encoders):
+    """Current ComfyUI puts ``manual_cast_dtype`` on every CLIP it loads: keyed, so a change re-encodes."""
+    from pipetrainer.training.cache.encoders import text_encoder_identity, text_encoder_problems
+
+    plain = encoders[1].clone()
+    plain.patcher.object_patches.pop("manual_cast_dtype", None)
+    fp32, bf16 = encoders[1].clone(), encoders[1].clone()
+    fp32.patcher.add_object_patch("manual_cast_dtype", torch.float32)
+    bf16.patcher.add_object_patch("manual_cast_dtype", torch.bfloat16)
+    assert text_encoder_problems(fp32) == []
+    identities = [text_encoder_identity(c) for c in (plain, fp32, bf16)]
+    assert [i["compute"] for i in identities] == [None, "torch.float32", "torch.bfloat16"]
+    assert len({json.dumps(i, sort_keys=True) for i in identities}) == 3

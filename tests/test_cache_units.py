@@ -10,7 +10,9 @@ import torch
 from pipetrainer.training.cache.encoders import latent_layout
 from pipetrainer.training.cache.index import CacheIndex
 from pipetrainer.training.cache.keys import (
+    LATENT_FORMAT_VERSION,
     change_reason,
+    encoder_signature,
     latent_components,
     latent_key,
     prep_signature,
@@ -31,6 +33,27 @@ def test_every_key_input_changes_the_key_and_names_the_reason():
     old, new = latent_components("s", prep, "v1"), latent_components("s", {**prep, "width": 80}, "v2")
     assert change_reason(old, new) == "preprocessing changed (width 64 -> 80); VAE changed (weights or dtype)"
     assert change_reason(text_components("a", "c"), text_components("b", "c")) == "caption changed"
+
+
+def test_every_part_of_the_text_encoder_identity_changes_the_key_and_is_named():
+    identity = {"weights": "f" * 40 + ":torch.float16", "layer": None,
+                "tokenizer": {"class": "comfy.sd1_clip.SD1Tokenizer", "options": {}}, "patches": None}
+    base = text_key("a cat", encoder_signature(identity))
+    assert text_key("a cat", encoder_signature(dict(reversed(identity.items())))) == base
+    changes = {"layer": -2, "patches": "0" * 40, "weights": "e" * 40 + ":torch.float16",
+               "tokenizer": {"class": "comfy.sd1_clip.SD1Tokenizer", "options": {"clip_l_min_padding": 4}}}
+    for part, value in changes.items():
+        other = {**identity, part: value}
+        assert text_key("a cat", encoder_signature(other)) != base
+        assert change_reason(text_components("a cat", identity), text_components("a cat", other)) == (
+            "text encoder changed (layer None -> -2)" if part == "layer" else f"text encoder changed ({part} changed)")
+
+
+def test_an_older_text_format_is_named_as_such_and_latents_keep_their_format():
+    old = {**text_components("a", "clip:fp16"), "v": 3}
+    assert change_reason(old, text_components("a", {"weights": "clip:fp16", "layer": -2})) == \
+        "cache format version changed"
+    assert latent_components("s", {}, "v")["v"] == LATENT_FORMAT_VERSION == 3  # text v4 left latents alone
 
 
 def test_latent_layout_for_image_and_video_vaes():

@@ -15,6 +15,7 @@ from pipetrainer.training.cache.buckets import (
 )
 from pipetrainer.training.data import Example, MicroBatches
 from pipetrainer.training.dataset import BucketSettings, DatasetError, scan_dataset
+from pipetrainer.training.spec import TimestepSpec
 
 
 def test_buckets_are_log_spaced_and_rounded_to_the_multiple():
@@ -73,7 +74,7 @@ def _examples(shapes: list[tuple[int, int]]) -> list[Example]:
 def test_micro_batches_draw_from_one_bucket_deterministically():
     examples = _examples([(4, 4)] * 5 + [(2, 6)] * 3 + [(6, 2)] * 2)
     batches = MicroBatches(examples, batch_size=2, seed=3, model=None, adapter=None,
-                           timestep_sampling="uniform", device=torch.device("cpu"))
+                           timesteps=TimestepSpec(), device=torch.device("cpu"))
     drawn = [batches._indices(m) for m in range(30)]
     for idx in drawn:
         assert len({examples[i].shape_key for i in idx}) == 1
@@ -81,16 +82,16 @@ def test_micro_batches_draw_from_one_bucket_deterministically():
     first_epoch = [i for idx in drawn[:per_epoch] for i in idx]
     assert sorted(set(first_epoch)) == list(range(10))  # every item in every epoch
     assert len(first_epoch) == 12  # the two odd buckets topped up with one of their own items each
-    again = MicroBatches(examples, 2, 3, None, None, "uniform", torch.device("cpu"))
+    again = MicroBatches(examples, 2, 3, None, None, TimestepSpec(), torch.device("cpu"))
     assert [again._indices(m) for m in (29, 7, 0)] == [drawn[29], drawn[7], drawn[0]]  # resume-exact
-    replicas = [MicroBatches(examples, 2, 3, None, None, "uniform", torch.device("cpu"), replica=r, replicas=2)
+    replicas = [MicroBatches(examples, 2, 3, None, None, TimestepSpec(), torch.device("cpu"), replica=r, replicas=2)
                 for r in range(2)]
     assert [replicas[m % 2]._indices(m // 2) for m in range(12)] == drawn[:12]
 
 
 def test_single_bucket_keeps_the_plain_epoch_order():
     examples = _examples([(4, 4)] * 5)
-    batches = MicroBatches(examples, 2, 1, None, None, "uniform", torch.device("cpu"))
+    batches = MicroBatches(examples, 2, 1, None, None, TimestepSpec(), torch.device("cpu"))
     flat = [i for m in range(5) for i in batches._indices(m)]
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
 

@@ -2,12 +2,17 @@
 
 The identity of an encoder is a fingerprint of its weights plus its dtype, not a file name: a VAE
 swapped under the same name, or the same file loaded in another dtype, gets a new identity and
-therefore new cache keys.
+therefore new cache keys. A text encoder's identity also holds everything else on ComfyUI's ``CLIP``
+object that changes an embedding: the clip-skip layer (``CLIPSetLastLayer`` sets ``layer_idx``), the
+tokenizer options (``set_tokenizer_option``, e.g. T5's min length and padding) and the weight patches
+of LoRAs loaded onto the text encoder (digested with their strengths). Patches the cache cannot key
+(hooks, object patches, weight wrappers) are refused with what to do instead.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -16,21 +21,36 @@ _SAMPLES_PER_TENSOR = 4096
 
 
 class Encoders(Protocol):
-    """The two encoders a cache needs. ``latent`` takes ``[F, H, W, 3]`` pixels in [0, 1]."""
+    """The two encoders a cache needs. ``latent`` takes ``[F, H, W, 3]`` pixels in [0, 1].
+
+    An identity is an opaque string, or named parts (a dict of JSON values): with named parts a
+    re-encode names the part that changed (e.g. the clip-skip layer).
+    """
 
     def latent_identity(self) -> str: ...
 
-    def text_identity(self) -> str: ...
+    def text_identity(self) -> str | dict[str, object]: ...
 
     def encode_latent(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
     def encode_text(self, caption: str) -> dict[str, torch.Tensor]: ...
 
 
-def weights_fingerprint(module: torch.nn.Module) -> str:
-    """Names, shapes, dtypes and a strided sample of every tensor's values."""
+class UnkeyableTextEncoder(ValueError):
+    """The text encoder carries changes the cache key cannot describe."""
+
+
+def weights_fingerprint(module: torch.nn.Module, overrides: Mapping[str, torch.Tensor] | None = None) -> str:
+    """Names, shapes, dtypes and a strided sample of every tensor's values.
+
+    ``overrides`` replaces state-dict entries by name: the original weights ComfyUI backed up while
+    a patched clone of the model is loaded with its patches applied in place.
+    """
+    state = module.state_dict()
+    if overrides:
+        state.update({k: v for k, v in overrides.items() if k in state})
     h = hashlib.blake2b(digest_size=20)
-    for name, t in sorted(module.state_dict().items()):
+    for name, t in sorted(state.items()):
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
         flat = t.detach().reshape(-1)
         if flat.numel():
@@ -44,10 +64,135 @@ def vae_identity(vae) -> str:
     return f"{weights_fingerprint(vae.first_stage_model)}:{vae.vae_dtype}"
 
 
-def text_encoder_identity(clip) -> str:
+def _unpatched_weights(patcher) -> dict[str, torch.Tensor]:
+    """The original weights of entries a ComfyUI ``ModelPatcher`` (or a clone sharing its backup)
+    has patched in place; the model's state dict holds patched values until it is unloaded."""
+    backup = getattr(patcher, "backup", None) or {}
+    return {k: b.weight for k, b in backup.items() if isinstance(getattr(b, "weight", None), torch.Tensor)}
+
+
+# Object patches the key names instead of refusing: current ComfyUI sets the text encoder's compute
+# dtype this way on every CLIP it loads (``set_model_compute_dtype``).
+_KEYED_OBJECT_PATCHES = ("manual_cast_dtype",)
+
+
+def text_encoder_problems(clip) -> list[str]:
+    """What on ``clip`` changes embeddings in a way the cache key cannot describe, phrased as the fix."""
+    patcher = clip.patcher
+    fix = ("load text-encoder LoRAs with a LoRA loader (e.g. 'Load LoRA') instead, or connect the plain "
+           "text encoder to 'Cache Latents & Text'")
+    out = []
+    hooks = [name for name, present in (
+        ("forced hooks", getattr(patcher, "forced_hooks", None) is not None),
+        ("hook patches", bool(getattr(patcher, "hook_patches", None))),
+        ("hooks applied to conds", getattr(clip, "apply_hooks_to_conds", None) is not None),
+        ("scheduled CLIP hooks", bool(getattr(clip, "use_clip_schedule", False))),
+    ) if present]
+    if hooks:
+        out.append(f"The text encoder has ComfyUI hooks ({', '.join(hooks)}, e.g. from 'Set CLIP Hooks'); the cache "
+                   f"cannot key them: {fix}.")
+    for attr, what in (("object_patches", "object patches"), ("weight_wrapper_patches", "weight wrappers"),
+                       ("injections", "module injections")):
+        found = getattr(patcher, attr, None)
+        if attr == "object_patches" and found:
+            found = {k: v for k, v in found.items() if k not in _KEYED_OBJECT_PATCHES}
+        if found:
+            out.append(f"The text encoder has {what} ({', '.join(sorted(map(str, found))[:5])}); the cache "
+                       f"cannot key them: {fix}.")
+    try:
+        patches_digest(patcher.patches)
+    except UnkeyableTextEncoder as exc:
+        out.append(str(exc))
+    return out
+
+
+def patches_digest(patches: Mapping[str, list]) -> str:
+    """Digest of a ``ModelPatcher.patches`` dict: every patched key with its strengths, offset,
+    function and the full bytes of the patch tensors (LoRA up/down/alpha, diffs, set weights)."""
+    h = hashlib.blake2b(digest_size=20)
+    for key in sorted(patches):
+        for entry in patches[key]:
+            strength_patch, value, strength_model, offset, function = entry
+            h.update(f"{key}|{float(strength_patch)!r}|{float(strength_model)!r}|{offset!r}|".encode())
+            h.update(_function_name(key, function).encode())
+            _feed(h, value, key)
+    return h.hexdigest()
+
+
+def _function_name(key: str, function) -> str:
+    if function is None:
+        return "-"
+    name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
+    if "<" in name:  # a lambda or a closure: its name says nothing about what it computes
+        raise UnkeyableTextEncoder(f"The text-encoder patch of {key} uses an anonymous function ({name}); the cache "
+                                   "cannot key it: load the LoRA with a stock LoRA loader instead.")
+    return name
+
+
+def _feed(h, value, key: str) -> None:
+    """Hash ``value`` (a patch: tensors, numbers and adapters nested in tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"T{tuple(value.shape)}{value.dtype}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (tuple, list)):
+        h.update(b"[")
+        for v in value:
+            _feed(h, v, key)
+        h.update(b"]")
+    elif isinstance(value, dict):
+        h.update(b"{")
+        for k in sorted(value, key=repr):
+            h.update(f"{k!r}=".encode())
+            _feed(h, value[k], key)
+        h.update(b"}")
+    elif hasattr(value, "weights"):  # comfy.weight_adapter adapters (LoRA, LoHa, LoKr, ...)
+        h.update(f"{type(value).__module__}.{type(value).__qualname__}:".encode())
+        _feed(h, value.weights, key)
+    else:
+        raise UnkeyableTextEncoder(f"The text-encoder patch of {key} is a {type(value).__qualname__}, which the cache "
+                                   "cannot key: load the LoRA with a stock LoRA loader, or cache with the plain "
+                                   "text encoder.")
+
+
+def _canonical(value, what: str):
+    """``value`` as plain JSON data, or a refusal naming ``what``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_canonical(v, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v, what) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise UnkeyableTextEncoder(f"The text encoder's {what} holds a {type(value).__qualname__}, which the cache cannot "
+                               "key: remove that option before 'Cache Latents & Text'.")
+
+
+def text_encoder_identity(clip) -> dict[str, object]:
+    """Everything of ComfyUI's ``CLIP`` object that changes an embedding, by name.
+
+    ``weights``: fingerprint of the unpatched weights and their dtype; ``layer``: the clip-skip
+    layer (``None`` = the encoder's default); ``tokenizer``: tokenizer class and options;
+    ``patches``: digest of the weight patches (text-encoder LoRAs), ``None`` without any;
+    ``compute``: a compute dtype set by object patch (current ComfyUI does for every CLIP), else ``None``.
+    """
+    problems = text_encoder_problems(clip)
+    if problems:
+        raise UnkeyableTextEncoder("\n".join(problems))
     model = clip.cond_stage_model
     dtype = next((p.dtype for p in model.parameters()), None)
-    return f"{weights_fingerprint(model)}:{dtype}"
+    patches = clip.patcher.patches
+    tokenizer = type(clip.tokenizer)
+    return {
+        "weights": f"{weights_fingerprint(model, _unpatched_weights(clip.patcher))}:{dtype}",
+        "layer": _canonical(getattr(clip, "layer_idx", None), "clip-skip layer"),
+        "tokenizer": {"class": f"{tokenizer.__module__}.{tokenizer.__qualname__}",
+                      "options": _canonical(dict(getattr(clip, "tokenizer_options", {})), "tokenizer options")},
+        "patches": patches_digest(patches) if patches else None,
+        "compute": str(clip.patcher.object_patches.get("manual_cast_dtype"))
+        if "manual_cast_dtype" in getattr(clip.patcher, "object_patches", {}) else None,
+    }
 
 
 def latent_layout(encoded: torch.Tensor, frames: int) -> torch.Tensor:
@@ -67,14 +212,14 @@ class ComfyEncoders:
     def __init__(self, vae, clip):
         self.vae = vae
         self.clip = clip
-        self._ids: dict[str, str] = {}
+        self._ids: dict[str, object] = {}
 
     def latent_identity(self) -> str:
         if "vae" not in self._ids:
             self._ids["vae"] = vae_identity(self.vae)
         return self._ids["vae"]
 
-    def text_identity(self) -> str:
+    def text_identity(self) -> dict[str, object]:
         if "text" not in self._ids:
             self._ids["text"] = text_encoder_identity(self.clip)
         return self._ids["text"]

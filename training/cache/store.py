@@ -24,7 +24,15 @@ from ..spec import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
 from .encoders import ComfyEncoders, Encoders
 from .index import CacheIndex, Entry, Source
-from .keys import change_reason, latent_components, latent_key, prep_signature, text_components, text_key
+from .keys import (
+    change_reason,
+    encoder_signature,
+    latent_components,
+    latent_key,
+    prep_signature,
+    text_components,
+    text_key,
+)
 from .media import Probe, load_image, load_video, probe_image, probe_video
 from .shards import ShardWriter, checksum, pack
 
@@ -179,7 +187,7 @@ class _Filler:
         s = self.settings
         plan = plan_buckets(s)
         self.report.notes.extend(plan.notes)
-        vae_id, text_id = self.encoders.latent_identity(), self.encoders.text_identity()
+        vae_id, text_sig = self.encoders.latent_identity(), encoder_signature(self.encoders.text_identity())
         known = self.index.sources()
         preps: dict[Bucket, tuple[dict, str]] = {}
         out = []
@@ -190,7 +198,7 @@ class _Filler:
             except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
                 self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
                 continue
-            tkey = text_key(entry.caption, text_id)
+            tkey = text_key(entry.caption, text_sig)
             video = entry.is_video
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
