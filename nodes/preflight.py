@@ -5,23 +5,24 @@ the cache quietly dropped, latents from another family's VAE, text embeddings of
 resolution the model cannot patch, a full disk, or DeepSpeed missing. Each check here is a small pure
 function over plain values that returns problem strings naming the item and the fix; :func:`train_problems`
 reads the facts from ComfyUI's objects and the cache files and runs them all. The Train node adds these
-to its own problems and raises them together, so a user fixes a graph in one go.
+to its own problems and raises them together, so a user fixes a graph in one go. Checks whose rules
+differ by model family (patch sizes, frames, text widths, extras, LoRA targets) are pure functions of
+training/pipelines/checks.py, driven by the family adapter; no stage layer is built in this process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..training.offload.stages import blocks_to_swap_problem, is_swappable, uniform_boundaries
-from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
+from ..training.offload.stages import blocks_to_swap_problem, uniform_boundaries
+from ..training.pipelines import checks as family_checks
+from ..training.pipelines.checks import CachedShapes, ModelInputs, cache_vs_model_problems
 from ..training.spec import CacheItem, LoraSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from ..training.dataset import DatasetSpec
 
 MAX_NAMED = 20  # items named per problem; the rest are counted
-MIN_PATCHES_PER_SIDE = 4  # smaller latents leave the model (and a LoRA) next to nothing to learn from
 BYTES_PER_LORA_PARAM_PER_SAVE = 16  # fp32 weight + two AdamW moments in the checkpoint, + the LoRA file
 DISK_MARGIN_BYTES = 256 * 2**20  # logs, events, DeepSpeed's own files, and room for the OS
 
@@ -148,16 +148,6 @@ def empty_dataset_problems(item_count: int) -> list[str]:
 
 
 # ---- cached tensors against the model ----------------------------------------------------------
-@dataclass(frozen=True)
-class CachedShapes:
-    """Tensor shapes of the cached items, read from the cache index or file headers (no tensor is loaded)."""
-
-    latents: dict[str, tuple[int, ...]]  # entry -> [C, H, W] or [C, F, H, W]
-    conds: dict[str, tuple[int, ...]]  # entry -> [T, D]
-    pooled: dict[str, int]  # entry -> D (0: no pooled vector)
-    unreadable: tuple[str, ...]
-
-
 def _file_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Shapes in a plain safetensors cache file (items without keys)."""
     from safetensors import safe_open
@@ -199,7 +189,7 @@ def read_cached_shapes(items: Iterable[CacheItem]) -> CachedShapes:
         keys = sorted(k for c, k, _ in refs.values() if k and c == index_file)
         if os.path.isfile(index_file):
             indexed.update({f"{index_file}#{k}": v for k, v in _index_shapes(index_file, keys).items()})
-    latents, conds, pooled, unreadable = {}, {}, {}, []
+    latents, conds, pooled, unreadable, extras = {}, {}, {}, [], {}
     for entry_id, (container, key, source) in refs.items():
         if key:
             shapes = indexed.get(entry_id)
@@ -217,7 +207,12 @@ def read_cached_shapes(items: Iterable[CacheItem]) -> CachedShapes:
         if "cond" in shapes:
             conds[entry_id] = shapes["cond"]
             pooled[entry_id] = shapes["pooled"][-1] if "pooled" in shapes else 0
-    return CachedShapes(latents, conds, pooled, tuple(unreadable))
+        named = {k: v for k, v in shapes.items() if k not in ("latent", "cond", "pooled")}
+        if named:  # the family's extras (training/pipelines/base.py ExtraSpec)
+            extras[entry_id] = named
+    pairs = tuple((Path(item.source).name, f"{item.latent_file}#{getattr(item, 'latent_key', '')}",
+                   f"{item.text_file}#{getattr(item, 'text_key', '')}") for item in dict.fromkeys(items))
+    return CachedShapes(latents, conds, pooled, tuple(unreadable), extras, pairs)
 
 
 def unreadable_cache_problems(unreadable: Sequence[str]) -> list[str]:
@@ -227,82 +222,15 @@ def unreadable_cache_problems(unreadable: Sequence[str]) -> list[str]:
             "Run 'Cache Latents & Text' again (it re-encodes them)."]
 
 
-def latent_channel_problems(channels: Mapping[str, int], model_channels: int, family: str) -> list[str]:
-    wrong = sorted({c for c in channels.values() if c != model_channels})
-    if not wrong:
-        return []
-    return [f"The cached latents have {'/'.join(map(str, wrong))} channels but the {family} model takes "
-            f"{model_channels}: the VAE given to 'Cache Latents & Text' belongs to another model family. "
-            "Use this model's VAE and cache again."]
-
-
-def latent_size_problems(sizes: Mapping[str, tuple[int, int]], patch_size: int, family: str,
-                         min_patches: int = MIN_PATCHES_PER_SIDE) -> list[str]:
-    """Latent sides must be whole multiples of the patch size and at least ``min_patches`` patches."""
-    odd = sorted({hw for hw in sizes.values() if hw[0] % patch_size or hw[1] % patch_size})
-    small = sorted({hw for hw in sizes.values() if min(hw) < min_patches * patch_size})
-    out = []
-    if odd:
-        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in odd)} are not multiples of the {family} "
-                   f"model's patch size {patch_size}, so the model would pad them: choose a resolution (and bucket "
-                   f"multiple) divisible by {patch_size} x the VAE's downscale (e.g. {patch_size * 8} px for an 8x VAE).")
-    if small:
-        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in small)} are too small: the {family} model "
-                   f"needs at least {min_patches * patch_size} latent pixels per side "
-                   f"(e.g. {min_patches * patch_size * 8} px for an 8x VAE). Raise the resolution.")
-    return out
-
-
-def text_dim_problems(cond_dims: Mapping[str, int], pooled_dims: Mapping[str, int], context_dim: int,
-                      pooled_dim: int, family: str) -> list[str]:
-    """Text embeddings must have the width of the model's context input (and pooled vector, if it takes one)."""
-    out = []
-    wrong = sorted({d for d in cond_dims.values() if d != context_dim})
-    if wrong:
-        out.append(f"The cached text embeddings are {'/'.join(map(str, wrong))} wide but the {family} model's context "
-                   f"input takes {context_dim}: the CLIP / text encoder given to 'Cache Latents & Text' belongs to "
-                   "another model family. Load this model's text encoder(s) and cache again.")
-    wrong_pooled = sorted({d for d in pooled_dims.values() if d != pooled_dim})
-    if pooled_dim and wrong_pooled:
-        got = "/".join("none" if d == 0 else str(d) for d in wrong_pooled)
-        out.append(f"The cached pooled text vectors are {got} wide but the {family} model takes {pooled_dim}: "
-                   "use the text encoder(s) of this model family (e.g. CLIP-L/G for SD3) and cache again.")
-    return out
-
-
-@dataclass(frozen=True)
-class ModelInputs:
-    family: str
-    latent_channels: int
-    patch_size: int
-    context_dim: int
-    pooled_dim: int
-
-
 def model_inputs(model: ModelPatcher) -> ModelInputs | None:
-    """What the ComfyUI MODEL takes, or None when its family is not trainable (reported elsewhere)."""
-    base = model.model
-    try:
-        family = family_name_for(base)
-        adapter = adapter_for(family)
-    except (UnknownFamilyError, ImportError):
-        return None
-    dm = base.diffusion_model
-    patch = getattr(dm, "patch_size", 1)
-    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
-    context, pooled = adapter.conditioning_dims(dm)
-    channels = int(getattr(base.latent_format, "latent_channels", 0) or getattr(dm, "in_channels", 0))
-    return ModelInputs(family, channels, patch, int(context), int(pooled))
+    """What the ComfyUI MODEL takes (its family adapter's rules), or None when its family is not trainable."""
+    return family_checks.model_inputs(model.model)
 
 
-def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[str]:
-    spatial = {p: (s[-2], s[-1]) for p, s in shapes.latents.items() if len(s) >= 3}
-    out = latent_channel_problems({p: s[0] for p, s in shapes.latents.items()}, inputs.latent_channels, inputs.family)
-    out += latent_size_problems(spatial, inputs.patch_size, inputs.family)
-    if inputs.context_dim:
-        out += text_dim_problems({p: s[-1] for p, s in shapes.conds.items()}, shapes.pooled, inputs.context_dim,
-                                 inputs.pooled_dim, inputs.family)
-    return out
+def model_support_problems(model: ModelPatcher) -> list[str]:
+    """A known family's adapter may still refuse this model (Flux.2, Fill, LongCat-Image, Ovis-Image are
+    loaded as Flux): report its reason here, before launching, instead of in the training process."""
+    return family_checks.model_support_problems(model.model)
 
 
 # ---- the model file ------------------------------------------------------------------------------
@@ -314,7 +242,7 @@ def model_file_problems(path: str, fingerprint: str, loras: Sequence[tuple[str, 
     out = []
     if not os.path.isfile(path):
         out.append(f"The model file {name} is gone since the graph loaded it: restore it, or pick another "
-                   "in 'Load Diffusion Model (train)'.")
+                   "in 'Load Diffusion Model (PipeTrainer)'.")
     elif fingerprint and file_fingerprint(path) != fingerprint:
         out.append(f"The model file {name} changed on disk after the graph loaded it, so training would use "
                    "other weights than the MODEL you see: unload models (Free model and node cache, or "
@@ -349,11 +277,7 @@ def blocks_to_swap_problems(blocks_to_swap: int, layer_is_block: Sequence[bool],
 
 def model_block_layout(model: ModelPatcher) -> list[bool]:
     """The engine's layer list as swappable-or-not: the input preparation, then the family's stage layers."""
-    inputs = model_inputs(model)
-    if inputs is None:
-        return []
-    layers = adapter_for(inputs.family).stage_layers(model.model.diffusion_model)
-    return [False, *(is_swappable(layer) for layer in layers)]
+    return family_checks.block_layout(model.model)
 
 
 # ---- environment -------------------------------------------------------------------------------
@@ -369,19 +293,7 @@ def deepspeed_problems(installed: bool, platform: str) -> list[str]:
 
 def lora_parameter_count(model: ModelPatcher, lora: LoraSpec) -> int:
     """LoRA parameters the run will train: ``rank * (in + out)`` for every targeted Linear."""
-    import torch
-
-    inputs = model_inputs(model)
-    if inputs is None:
-        return 0
-    adapter = adapter_for(inputs.family)
-    regex = adapter.lora_target_regex(lora.targets)
-    total = 0
-    for layer in adapter.stage_layers(model.model.diffusion_model):
-        for name, module in layer.named_modules():
-            if isinstance(module, torch.nn.Linear) and re.fullmatch(regex, name):
-                total += lora.rank * (module.in_features + module.out_features)
-    return total
+    return family_checks.lora_parameter_count(model.model, lora.rank, lora.targets)
 
 
 def run_disk_bytes(lora_params: int, train: TrainSpec) -> int:
@@ -454,12 +366,25 @@ def disk_problems(folder: str, needed: int, free: int, what: str, fix: str) -> l
             f"{free / gib:.2f} GiB free. Free some space{fix}."]
 
 
+# ---- GPUs ------------------------------------------------------------------------------------
+def gpu_problems(train: TrainSpec, gpus: str) -> list[str]:
+    """The ``gpus`` input against ComfyUI's device and GPUs: one GPU per rank, each one visible.
+
+    The logic and messages (naming each GPU's free and used memory) are nodes/gpus.py's pure functions.
+    """
+    from .launch import comfyui_device, resolve_gpus
+
+    return resolve_gpus(gpus, train.pipeline_stages * train.data_parallel, comfyui_device())[1]
+
+
 # ---- all of it --------------------------------------------------------------------------------
-def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, train: TrainSpec, runs_root: str) -> list[str]:
+def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, train: TrainSpec, runs_root: str,
+                   gpus: str = "") -> list[str]:
     """Every problem the Train node can see before launching, in a stable order."""
     items = tuple(getattr(cache, "items", ()))
     report = getattr(cache, "report", None)
     problems = deepspeed_problems(importlib.util.find_spec("deepspeed") is not None, sys.platform)
+    problems += gpu_problems(train, gpus)
     problems += empty_dataset_problems(len(items))
     problems += dropped_item_problems(tuple(getattr(report, "skipped", ())))
     unchanged = unchanged_since_cached(items)
@@ -472,7 +397,9 @@ def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, trai
     if recipe is not None:  # without one, the Train node already says which loader to use
         problems += model_file_problems(recipe.path, recipe.fingerprint, recipe.loras)
     inputs = model_inputs(model)
-    if inputs is not None:
+    unsupported = model_support_problems(model)
+    problems += unsupported
+    if inputs is not None and not unsupported:  # the family's rules (training/pipelines/checks.py)
         problems += cache_vs_model_problems(shapes, inputs)
         problems += blocks_to_swap_problems(train.blocks_to_swap, model_block_layout(model), train.pipeline_stages,
                                             train.partition_method)

@@ -1,48 +1,81 @@
-"""Noise, timesteps and the training target, built with the model's own ``model_sampling``.
+"""Noisy input, network timestep and training target, built with the model's own ``model_sampling``.
 
 Using ComfyUI's ``model_sampling`` (the object its samplers use) guarantees the trainer sees inputs
-exactly as inference produces them: the same sigma-to-timestep map, the same noise scaling and shift.
+exactly as inference produces them: the same sigma-to-timestep map, the same noise scaling and input
+scaling. The target is what the raw network output must be for ComfyUI's ``calculate_denoised`` to
+give back the clean latent, for each prediction type ComfyUI's samplers know:
+
+- ``CONST`` (flow matching: SD3, Flux, Wan, ...): velocity ``noise - x0``;
+- ``EPS``: the noise;
+- ``V_PREDICTION``: ``v = (sigma_data^2 * noise - sigma * x0) / (sigma_data * sqrt(sigma^2 + sigma_data^2))``.
+
+Other types (EDM, X0, ...) are refused by name rather than trained against a wrong target.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-_EPS = 1e-4
+
+class Noised(NamedTuple):
+    network_input: torch.Tensor  # what the network sees: model_sampling.calculate_input(sigma, noisy)
+    timestep: torch.Tensor  # what BaseModel.apply_model passes: model_sampling.timestep(sigma)
+    target: torch.Tensor  # the raw network output that denoises to x0
 
 
-def sample_sigmas(n: int, method: str, generator: torch.Generator, model_sampling) -> torch.Tensor:
-    """Sigmas in (0, 1] for flow models: ``uniform``, ``logit_normal``, or ``shift`` (the model's shift)."""
-    if method == "uniform":
-        u = torch.rand(n, generator=generator)
-    elif method == "logit_normal":
-        u = torch.sigmoid(torch.randn(n, generator=generator))
-    elif method == "shift":
-        import comfy.model_sampling
-
-        u = torch.rand(n, generator=generator)
-        u = comfy.model_sampling.time_snr_shift(float(getattr(model_sampling, "shift", 1.0)), u)
-    else:
-        raise ValueError(f"Unknown timestep sampling {method!r}.")
-    return u.clamp(_EPS, 1.0)
+_KINDS = {"CONST": "flow", "EPS": "eps", "V_PREDICTION": "v"}
 
 
-def noisy_input_and_target(model_sampling, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor):
-    """``(noisy latent, network timestep, target of the raw network output)``."""
+def prediction_type(model_sampling) -> str:
+    """``"flow"``, ``"v"`` or ``"eps"``: the ComfyUI prediction class whose ``calculate_denoised`` the
+    model's sampling uses (the most derived one that defines it). A subclass with its own formula
+    (EDM, X0, current ComfyUI's IMG_TO_IMG_FLOW, ...) is refused by name, never trained as its parent."""
     import comfy.model_sampling as ms
 
+    owner = next((cls for cls in type(model_sampling).__mro__ if "calculate_denoised" in vars(cls)), None)
+    name = owner.__name__ if owner is not None else type(model_sampling).__name__
+    if owner is not None and getattr(ms, name, None) is owner and name in _KINDS:
+        return _KINDS[name]
+    raise NotImplementedError(
+        f"{name} prediction is not supported yet ({type(model_sampling).__name__}); flow-matching, eps- and "
+        "v-prediction models are."
+    )
+
+
+def noisy_input_and_target(model_sampling, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> Noised:
+    """``(network input, network timestep, target of the raw network output)``.
+
+    The noised latent is ComfyUI's ``noise_scaling`` (``x0 + sigma * noise`` for eps/v, the flow
+    interpolation for CONST); flow models see it unchanged, eps/v models divide it by
+    ``sqrt(sigma^2 + sigma_data^2)`` (``calculate_input``), exactly as ``BaseModel.apply_model`` does.
+    """
+    kind = prediction_type(model_sampling)
     s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
-    if isinstance(model_sampling, ms.CONST):  # flow matching: the network predicts noise - x0
-        noisy = model_sampling.noise_scaling(s, noise, x0)
+    noisy = model_sampling.noise_scaling(s, noise, x0)
+    if kind == "flow":
         target = noise - x0
+    elif kind == "eps":
+        target = noise
     else:
-        raise NotImplementedError(
-            f"{type(model_sampling).__name__} prediction is not supported yet; flow-matching models are."
-        )
+        sd = float(model_sampling.sigma_data)
+        target = (sd**2 * noise - s * x0) / (sd * (s**2 + sd**2).sqrt())
+    network_input = model_sampling.calculate_input(s, noisy)
     timestep = model_sampling.timestep(sigma).float()
-    return noisy, timestep, target
+    return Noised(network_input, timestep, target)
 
 
-def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def mse_loss(prediction: torch.Tensor, target) -> torch.Tensor:
+    """Mean squared error; ``target`` may be ``(target, weight)`` with a weight broadcastable to it.
+
+    With a weight (the family's loss mask), the mean is over the weighted elements: weight 0 leaves an
+    element out entirely, so masking a clean conditioning frame does not dilute the loss of the rest.
+    """
+    if isinstance(target, (tuple, list)):
+        target, weight = target
+        squared = (prediction.float() - target.float()).pow(2)
+        weight = weight.float().expand_as(squared)
+        return (squared * weight).sum() / weight.sum().clamp_min(1e-12)
     return F.mse_loss(prediction.float(), target.float())

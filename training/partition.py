@@ -10,12 +10,13 @@ failing and the others timing out.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torch import nn
+
+from .pipelines.targets import layer_targets
 
 PARTITION_FILE = "partition.json"
 
@@ -39,10 +40,8 @@ def layer_name(layer: object) -> str:
 
 
 def lora_target_count(layer: object, target_regex: str) -> int:
-    if not isinstance(layer, nn.Module):
-        return 0
-    return sum(1 for name, m in layer.named_modules()
-               if isinstance(m, nn.Linear) and re.fullmatch(target_regex, name) is not None)
+    """LoRA targets in ``layer``, by the one target rule (training/pipelines/targets.py)."""
+    return len(layer_targets(layer, target_regex))
 
 
 def describe(layers: Sequence[object], boundaries: Sequence[int], target_regex: str) -> list[StagePlan]:

@@ -18,15 +18,33 @@ integer ids give exactly the ``pe`` of ComfyUI's forward). ``hw`` is the latent 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .base import StageLayer
+from .base import Batch, ExtraSpec, Geometry, StageLayer, register
 from .out_of_place import OutOfPlaceResidualAdds
 
-# The guidance strength ComfyUI gives guidance-distilled Flux models when the graph sets none
-# (comfy.model_base.Flux.extra_conds); training with it matches how the LoRA will be sampled.
-DEFAULT_GUIDANCE = 3.5
+
+@dataclass(frozen=True)
+class FluxOptions:
+    """Flux training options.
+
+    ``guidance``: what the guidance embedding of a guidance-distilled model (FLUX.1-dev) sees while
+    training. 1.0 is what diffusion-pipe, musubi-tuner and ai-toolkit train dev LoRAs with: the LoRA
+    learns the content, not a guidance level, and samples well at the usual 3.5 (ComfyUI's
+    FluxGuidance default). Models without a guidance embedding (schnell) ignore it.
+    """
+
+    guidance: float = 1.0
+
+    def problems(self) -> list[str]:
+        if not 0.0 <= self.guidance <= 100.0:
+            return [f"guidance must be between 0 and 100 (got {self.guidance})."]
+        return []
+
 
 _ATTENTION = r"(img|txt)_attn\.(qkv|proj)|linear[12]"
 _MLP = r"(img|txt)_mlp\.[02]"
@@ -38,27 +56,50 @@ _TARGETS = {
 }
 
 
-def _check_supported(dm: nn.Module) -> None:
-    """Refuse Flux relatives whose data flow differs from Flux.1 (they need their own adapter)."""
+def _support_problem(dm: nn.Module) -> str | None:
+    """Why a Flux relative whose data flow differs from Flux.1 is refused (it needs its own adapter), or None."""
     from comfy.ldm.flux.model import Flux
 
     if not isinstance(dm, Flux):
-        raise NotImplementedError(
-            f"{type(dm).__name__} is a Flux relative that PipeTrainer cannot train yet; Flux.1 models "
-            "(dev, schnell and their fine-tunes) are supported."
-        )
+        return (f"{type(dm).__name__} is a Flux relative that PipeTrainer cannot train yet; Flux.1 models "
+                "(dev, schnell and their fine-tunes) are supported.")
     if dm.params.global_modulation or len(dm.params.axes_dim) != 3:
-        raise NotImplementedError(
-            "Flux.2-style models (shared modulation, 4 rotary axes) are not supported yet; "
-            "Flux.1 models (dev, schnell and their fine-tunes) are."
-        )
+        return ("Flux.2-style models (shared modulation, 4 rotary axes) are not supported yet; "
+                "Flux.1 models (dev, schnell and their fine-tunes) are.")
+    relative = _flux1_lookalike(dm.params)
+    if relative:
+        return (f"{relative}. PipeTrainer's Flux adapter follows Flux.1's data flow and would train this model "
+                "silently wrong, so it refuses; the model needs its own adapter. Supported: Flux.1 models "
+                "(dev, schnell and their fine-tunes).")
     if dm.params.in_channels != dm.params.out_channels:
-        raise NotImplementedError(
-            "Flux models with image conditioning concatenated to the latent (Fill, Canny, Depth) are not "
-            "supported yet; Flux.1 text-to-image models are."
-        )
+        return ("Flux models with image conditioning concatenated to the latent (Fill, Canny, Depth) are not "
+                "supported yet; Flux.1 text-to-image models are.")
     if not hasattr(dm, "final_layer"):
-        raise NotImplementedError("This Flux model has no final layer (a feature extractor); it cannot be trained.")
+        return "This Flux model has no final layer (a feature extractor); it cannot be trained."
+    return None
+
+
+def _flux1_lookalike(params) -> str | None:
+    """What makes a model ComfyUI builds with its ``Flux`` class differ from Flux.1, or None.
+
+    ComfyUI loads some relatives as ``Flux`` (model_base.LongCatImage even subclasses it) and marks
+    them only by ``FluxParams`` fields that newer ComfyUI added (0.3.75 has none of them, hence
+    ``getattr``): Ovis-Image normalises the text embedding (``txt_norm``) and uses a gated MLP
+    (``yak_mlp``); LongCat-Image gives text tokens rotary positions (``txt_ids_dims``, all zero in
+    Flux.1). The stage layers skip all of that, and the forward would still run.
+    """
+    if getattr(params, "txt_norm", False):
+        return ("This is Ovis-Image (a Flux relative: it normalises the text embedding with txt_norm, "
+                f"uses a gated MLP and text rotary positions txt_ids_dims={list(params.txt_ids_dims)})")
+    txt_ids_dims = list(getattr(params, "txt_ids_dims", None) or [])
+    if txt_ids_dims:
+        return ("This is LongCat-Image or another Flux relative that gives text tokens rotary positions "
+                f"(txt_ids_dims={txt_ids_dims}; Flux.1 has none)")
+    different = [name for name, flux1 in (("yak_mlp", False), ("mlp_silu_act", False), ("ops_bias", True))
+                 if getattr(params, name, flux1) != flux1]
+    if different:
+        return f"This Flux relative differs from Flux.1 in {', '.join(different)}"
+    return None
 
 
 class FluxEmbed(StageLayer):
@@ -174,10 +215,17 @@ class FluxFinal(StageLayer):
 
 class FluxAdapter:
     name = "Flux"
+    options_type = FluxOptions
+
+    def support_problems(self, diffusion_model: nn.Module) -> list[str]:
+        problem = _support_problem(diffusion_model)
+        return [problem] if problem else []
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        _check_supported(dm)
+        problems = self.support_problems(dm)
+        if problems:
+            raise NotImplementedError(" ".join(problems))
         n_double, n_single = len(dm.double_blocks), len(dm.single_blocks)
         if n_double + n_single == 0:
             raise ValueError("This Flux model has no transformer blocks; nothing to train.")
@@ -186,21 +234,52 @@ class FluxAdapter:
         singles = [FluxSingleBlock(dm, i, last=n_double + i == total - 1) for i in range(n_single)]
         return [FluxEmbed(dm), *doubles, *singles, FluxFinal(dm)]
 
-    def lora_target_regex(self, preset: str) -> str:
-        return rf"(.*\.)?block\.({_TARGETS[preset]})"
+    def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
+        blocks = len(diffusion_model.double_blocks) + len(diffusion_model.single_blocks)
+        return [False, *([FluxDoubleBlock.swappable] * blocks), False]
 
-    def first_stage_inputs(self, noisy, timestep, cond, pooled):
-        batch = noisy.shape[0]
+    def lora_target_regex(self, preset: str) -> str:
+        return rf"(double_blocks|single_blocks)\.\d+\.({_TARGETS[preset]})"
+
+    def geometry(self, diffusion_model: nn.Module) -> Geometry:
+        p = int(diffusion_model.patch_size)
+        return Geometry(patch=(1, p, p))
+
+    def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
+        return {}
+
+    def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
+        return None
+
+    def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
+        """Patches of the latent as ComfyUI's ``Flux.process_img`` pads and cuts it."""
+        p = diffusion_model.patch_size
+        h, w = latent_shape[-2:]
+        return ((h + p // 2) // p) * ((w + p // 2) // p)
+
+    def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        noisy, pooled, options = batch.noisy, batch.pooled, batch.options or FluxOptions()
+        size = noisy.shape[0]
         if pooled is None:
-            pooled = torch.zeros(batch, 0, dtype=noisy.dtype)
+            pooled = torch.zeros(size, 0, dtype=noisy.dtype)
         # ComfyUI hands extra conds such as guidance to the model in the compute dtype.
-        guidance = torch.full((batch,), DEFAULT_GUIDANCE, dtype=noisy.dtype)
-        return noisy, timestep, cond, pooled, guidance
+        guidance = torch.full((size,), options.guidance, dtype=noisy.dtype)
+        return noisy, batch.timestep, batch.cond, pooled, guidance
 
     def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
         """``(context width, pooled width or 0)``: T5-XXL 4096 and CLIP-L 768 for Flux.1 dev/schnell."""
         params = diffusion_model.params
         return int(params.context_in_dim), int(params.vec_in_dim or 0)
 
+    def text_length(self, lengths: Sequence[int]) -> int:
+        """The longest cond of the micro-batch; the others get zero tokens, nothing is cut.
 
-ADAPTER = FluxAdapter()
+        ComfyUI's Flux T5 tokenizer pads every caption to at least 256 tokens with its pad token (in
+        the cache) and cuts none, so only captions past 256 tokens make the others of their batch see
+        zero tokens. ComfyUI gives Flux.1 no text attention mask by default, so those zero tokens take
+        part in the attention; cutting at 256 or 512 instead would train on less of a caption than
+        sampling encodes."""
+        return max(lengths)
+
+
+ADAPTER = register(FluxAdapter(), model_classes=("Flux",))

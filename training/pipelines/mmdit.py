@@ -7,10 +7,14 @@ Stage tuples: embed -> ``(x, c, context, hw)``; each joint block -> same (the la
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import nn
 
-from .base import StageLayer
+from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .options import NoOptions
+from .out_of_place import OutOfPlaceResidualAdds
 
 _TARGETS = {
     "attention": r"attn2?\.(qkv|proj)",
@@ -24,8 +28,6 @@ class MMDiTEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        if getattr(dm, "register_length", 0) or getattr(dm, "context_processor", None) is not None:
-            raise NotImplementedError("MMDiT variants with register tokens or a context processor are not supported yet.")
         self.adopt("x_embedder", dm.x_embedder, "x_embedder")
         self.adopt("t_embedder", dm.t_embedder, "t_embedder")
         if dm.y_embedder is not None:
@@ -65,7 +67,10 @@ class MMDiTJointBlock(StageLayer):
 
     def forward(self, inputs):
         x, c, context, hw = inputs
-        context, x = self.block(context, x, c=c, use_checkpoint=False, transformer_options={})
+        # ComfyUI's joint blocks add residuals out of place today; the guard every family's blocks run
+        # under keeps a future ``x += ...`` from corrupting autograd (see out_of_place.py).
+        with OutOfPlaceResidualAdds(x, context):
+            context, x = self.block(context, x, c=c, use_checkpoint=False, transformer_options={})
         if context is None:  # pre_only last block: the text stream ends here
             return x, c, hw
         return x, c, context, hw
@@ -91,19 +96,50 @@ class MMDiTFinal(StageLayer):
 
 class MMDiTAdapter:
     name = "SD3"
+    options_type = NoOptions
+
+    def support_problems(self, diffusion_model: nn.Module) -> list[str]:
+        dm = diffusion_model
+        if getattr(dm, "register_length", 0) or getattr(dm, "context_processor", None) is not None:
+            return ["MMDiT variants with register tokens or a context processor are not supported yet; "
+                    "SD3 / SD3.5 models are."]
+        return []
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
+        problems = self.support_problems(dm)
+        if problems:
+            raise NotImplementedError(" ".join(problems))
         blocks = [MMDiTJointBlock(dm, i) for i in range(len(dm.joint_blocks))]
         return [MMDiTEmbed(dm), *blocks, MMDiTFinal(dm)]
 
-    def lora_target_regex(self, preset: str) -> str:
-        return rf"(.*\.)?block\.(x_block|context_block)\.{_TARGETS[preset]}"
+    def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
+        return [False, *([MMDiTJointBlock.swappable] * len(diffusion_model.joint_blocks)), False]
 
-    def first_stage_inputs(self, noisy, timestep, cond, pooled):
+    def lora_target_regex(self, preset: str) -> str:
+        return rf"joint_blocks\.\d+\.(x_block|context_block)\.{_TARGETS[preset]}"
+
+    def geometry(self, diffusion_model: nn.Module) -> Geometry:
+        p = int(diffusion_model.x_embedder.patch_size[0])
+        return Geometry(patch=(1, p, p))
+
+    def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
+        return {}
+
+    def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
+        return None
+
+    def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
+        """Patches of the (padded) latent, as ``x_embedder`` cuts it."""
+        p = diffusion_model.x_embedder.patch_size[0]
+        h, w = latent_shape[-2:]
+        return -(-h // p) * -(-w // p)
+
+    def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        pooled = batch.pooled
         if pooled is None:
-            pooled = torch.zeros(noisy.shape[0], 0, dtype=noisy.dtype)
-        return noisy, timestep, cond, pooled
+            pooled = torch.zeros(batch.noisy.shape[0], 0, dtype=batch.noisy.dtype)
+        return batch.noisy, batch.timestep, batch.cond, pooled
 
     def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
         """``(context width, pooled width or 0)`` the embedders take, so preflight can catch a wrong text encoder."""
@@ -112,5 +148,16 @@ class MMDiTAdapter:
         pooled = dm.y_embedder.mlp[0].in_features if dm.y_embedder is not None else 0
         return int(context), int(pooled)
 
+    def text_length(self, lengths: Sequence[int]) -> int:
+        """The longest cond of the micro-batch; the others get zero tokens, nothing is cut.
 
-ADAPTER = MMDiTAdapter()
+        ComfyUI's SD3 encoders already give most captions one length: CLIP-L/G pad to 77-token chunks
+        with their end token and T5 pads to 77 tokens with its pad token (both in the cache), so only a
+        caption past 75 CLIP or 77 T5 tokens makes the others of its batch see zero tokens. ComfyUI's
+        MMDiT takes no text attention mask, so the zero tokens take part in the joint attention (as the
+        zero columns ComfyUI pads CLIP-L/G to T5's width with do); cutting instead would train on less
+        of a caption than sampling encodes."""
+        return max(lengths)
+
+
+ADAPTER = register(MMDiTAdapter(), model_classes=("SD3",))

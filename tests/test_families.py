@@ -1,0 +1,380 @@
+"""The family test table: every trainable family is one row, and every row inherits every generic check.
+
+A row says how to get a small ComfyUI model of the family (the tier is in its ``tier``), an example
+latent (odd sizes, so padding and cropping are exercised) and the extra conditioning ComfyUI hands the
+model. The checks compare with ComfyUI's own code, never with our formulas:
+
+- the staged forward equals ComfyUI's unsplit ``BaseModel.apply_model``;
+- autograd through the LoRA equals central finite differences (plain and checkpointed);
+- every LoRA preset selects Linears, the same ones in the stage layers and in the whole model;
+- every key the trainer saves is consumed by ComfyUI's key map (``comfy.lora.model_lora_keys_unet``),
+  and ComfyUI's LoRA loader applying the file reproduces the trainer's forward;
+- the default sigma sampling follows the model's ``model_sampling`` schedule;
+- preflight's view of the model (``layer_layout``, geometry) agrees with the stage layers;
+- slow tier: 2 training steps in 1 and in 2 pipeline stages of the real process tree are bitwise equal.
+
+Adding a family: one module in training/pipelines/, one row here, one workflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from pipetrainer.tests.helpers import losses, make_spec, run_training
+from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for, known_families
+from pipetrainer.training.spec import TARGET_PRESETS, CacheItem, LoraSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    family: str
+    tier: str
+    load: str  # name of the loader below
+    latent: tuple[int, ...]  # one example's raw latent shape
+    tokens: int
+    comfy_kwargs: Callable[[torch.Tensor, torch.Tensor | None, object], dict] = lambda cond, pooled, options: {}
+    model_file: bool = True  # a file ComfyUI detects: the training process can load it
+
+
+def _sd3_kwargs(cond, pooled, options):
+    return {"y": pooled}
+
+
+def _flux_kwargs(cond, pooled, options):
+    return {"y": pooled, "guidance": torch.full((cond.shape[0],), options.guidance)}
+
+
+ROWS = [
+    Row("SD3", "detected file, 9.6 M (fixture_paths.mmdit)", "sd3", (16, 10, 6), 7, _sd3_kwargs),
+    Row("Flux", "ComfyUI's Flux config class, hidden 64 (detection pins 3072), in memory", "flux_small",
+        (4, 7, 5), 5, _flux_kwargs, model_file=False),
+    Row("Wan", "detected file, 1.1 M (build_tiny_wan_t2v)", "wan_t2v", (16, 3, 6, 10), 9),
+]
+BY_FAMILY = {row.family: row for row in ROWS}
+
+
+def test_every_registered_family_has_a_row():
+    assert set(known_families()) == set(BY_FAMILY)
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+RTOL = 5e-3
+
+
+@contextmanager
+def _warnings():
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def _wan_t2v_path(comfy_root: Path) -> Path:
+    from pipetrainer.devkit.fixtures import WAN_T2V_FILE, _build_atomically, build_tiny_wan_t2v
+
+    path = comfy_root / "models" / "diffusion_models" / WAN_T2V_FILE
+    if not path.exists():
+        _build_atomically(path, build_tiny_wan_t2v)
+    return path
+
+
+def _flux_small():
+    """A small Flux BaseModel from ComfyUI's own config class (no detection), with seeded weights."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    from pipetrainer.devkit.fixtures import _randomize_scaled, flux_params
+
+    unet = {"image_model": "flux", **flux_params(
+        in_channels=4, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0, num_heads=2,
+        depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
+        guidance_embed=True)}
+    config = comfy.supported_models.Flux(unet)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    state = model.diffusion_model.state_dict()
+    model.diffusion_model.load_state_dict(_randomize_scaled({k: v.float() for k, v in state.items()}, 64))
+    model.diffusion_model.float()
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def _model_path(row: Row, comfy_root: Path, fixture_paths) -> Path:
+    return {"sd3": lambda: fixture_paths.mmdit, "wan_t2v": lambda: _wan_t2v_path(comfy_root)}[row.load]()
+
+
+def _load(row: Row, comfy_root: Path, fixture_paths):
+    """A fresh ModelPatcher of the row's model (the LoRA checks change modules, so never shared)."""
+    import comfy.sd
+
+    if row.load == "flux_small":
+        return _flux_small()
+    with _warnings() as warnings:
+        patcher = comfy.sd.load_diffusion_model(str(_model_path(row, comfy_root, fixture_paths)))
+    assert not [w for w in warnings if "missing" in w or "unexpected" in w], warnings
+    return patcher
+
+
+@pytest.fixture(params=[row.family for row in ROWS])
+def row(request) -> Row:
+    return BY_FAMILY[request.param]
+
+
+# ---- one example -------------------------------------------------------------------------------
+
+
+def _example(row: Row, model, seed: int = 0):
+    """``(noisy, sigma, cond, pooled, Noised)`` of one seeded example, built as the trainer builds it."""
+    from pipetrainer.training.loss import noisy_input_and_target
+
+    adapter = adapter_for(row.family)
+    dm = model.diffusion_model
+    context, pooled_dim = adapter.conditioning_dims(dm)
+    g = torch.Generator().manual_seed(seed)
+    x0 = model.process_latent_in(torch.randn(1, *row.latent, generator=g))
+    noise = torch.randn(x0.shape, generator=g)
+    sigma = torch.tensor([0.7])
+    cond = torch.randn(1, row.tokens, context, generator=g)
+    pooled = torch.randn(1, pooled_dim, generator=g) if pooled_dim else None
+    noised = noisy_input_and_target(model.model_sampling, x0, noise, sigma)
+    noisy = model.model_sampling.noise_scaling(sigma.view(-1, *[1] * (x0.ndim - 1)), noise, x0)
+    return noisy, sigma, cond, pooled, noised
+
+
+def _staged(adapter, layers, noised, cond, pooled, options, checkpoint: bool = False):
+    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in
+                adapter.first_stage_inputs(Batch(noised.network_input, noised.timestep, cond, pooled, options=options)))
+    for layer in layers:
+        out = torch.utils.checkpoint.checkpoint(layer, out, use_reentrant=False) if checkpoint else layer(out)
+    return out
+
+
+def _comfy_denoised(model, noisy, sigma, cond, pooled, row: Row, options) -> torch.Tensor:
+    with torch.no_grad():
+        return model.apply_model(noisy, sigma, c_crossattn=cond, **row.comfy_kwargs(cond, pooled, options))
+
+
+def _with_lora(adapter, layers, preset: str, rank: int = 4, alpha: float = 2.0, seed: int = 3):
+    """PEFT LoRA in the stage layers (as the trainer injects it), with seeded non-zero B."""
+    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+
+    lora = LoraSpec(rank=rank, alpha=alpha, targets=preset)
+    indexed = list(enumerate(layers, start=1))
+    count = inject_lora(indexed, adapter.lora_target_regex(preset), lora, seed=seed)
+    stage = torch.nn.ModuleDict({str(i): layer for i, layer in indexed})  # named like a PipelineModule
+    freeze_all_but_lora(stage)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in named_lora_parameters(stage).items():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lora, indexed, stage, count
+
+
+# ---- generic checks ----------------------------------------------------------------------------
+
+
+def test_staged_forward_equals_comfyuis_unsplit_forward(row, comfy_root, fixture_paths):
+    patcher = _load(row, comfy_root, fixture_paths)
+    model = patcher.model
+    assert family_name_for(model) == row.family
+    adapter = adapter_for(row.family)
+    options = adapter.options_type()
+    noisy, sigma, cond, pooled, noised = _example(row, model)
+    with torch.no_grad():
+        out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options)
+    assert out.shape == noisy.shape
+    ours = model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
+    theirs = _comfy_denoised(model, noisy, sigma, cond, pooled, row, options)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6 * theirs.abs().max().item()), (ours - theirs).abs().max()
+
+
+def test_lora_gradients_match_finite_differences(row, comfy_root, fixture_paths):
+    """Autograd on every LoRA parameter (plain and under non-reentrant checkpointing, which the engine
+    uses) equals the central difference of the loss along a random direction.
+
+    The models are fp32 (ComfyUI casts some inputs to fp32 itself, so fp64 is not an option): at
+    eps 1e-2 forward rounding leaves the central difference good to ~1e-3 relative; RTOL allows 5x
+    that. Wrong gradients (in-place residual adds under checkpointing, a lost LoRA scale) are off by
+    factors, not per mille."""
+    from pipetrainer.training.lora_inject import named_lora_parameters
+
+    model = _load(row, comfy_root, fixture_paths).model
+    adapter = adapter_for(row.family)
+    options = adapter.options_type()
+    _, sigma, cond, pooled, noised = _example(row, model, seed=1)
+    layers = adapter.stage_layers(model.diffusion_model)
+    _, _, stage, _ = _with_lora(adapter, layers, "attention_mlp")
+    params = list(named_lora_parameters(stage).values())
+
+    def loss(checkpoint=False):
+        return (_staged(adapter, layers, noised, cond, pooled, options, checkpoint) - noised.target).pow(2).mean()
+
+    plain = torch.autograd.grad(loss(), params)
+    checked = torch.autograd.grad(loss(checkpoint=True), params)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checked, strict=True))
+    g = torch.Generator().manual_seed(9)
+    direction = [torch.randn(p.shape, generator=g) for p in params]
+    eps = 1e-2
+
+    def shifted(sign):
+        with torch.no_grad():
+            for p, d in zip(params, direction, strict=True):
+                p.add_(sign * eps * d)
+            value = loss().double()
+            for p, d in zip(params, direction, strict=True):
+                p.sub_(sign * eps * d)
+        return value
+
+    numeric = (shifted(1) - shifted(-1)) / (2 * eps)
+    analytic = sum((gr.double() * d.double()).sum() for gr, d in zip(plain, direction, strict=True))
+    assert abs(numeric) > 1e-6
+    assert torch.allclose(analytic, numeric, rtol=RTOL), (analytic.item(), numeric.item())
+
+
+def test_every_preset_has_targets_and_stage_layers_agree_with_the_model(row, comfy_root, fixture_paths):
+    from pipetrainer.training.pipelines.targets import layer_targets, model_targets
+
+    model = _load(row, comfy_root, fixture_paths).model
+    adapter = adapter_for(row.family)
+    dm = model.diffusion_model
+    layers = adapter.stage_layers(dm)
+    sizes = []
+    for preset in TARGET_PRESETS:
+        regex = adapter.lora_target_regex(preset)
+        in_layers = [p for layer in layers for p in layer_targets(layer, regex).values()]
+        assert in_layers, preset
+        assert len(in_layers) == len(set(in_layers)) and set(in_layers) == set(model_targets(dm, regex)), preset
+        sizes.append(len(in_layers))
+    assert sizes == sorted(sizes)  # attention <= attention_mlp <= all_linear
+    assert adapter.layer_layout(dm) == [layer.swappable for layer in layers]  # preflight's view of the layers
+
+
+def test_saved_lora_is_consumed_by_comfyui_and_reproduces_the_trainers_forward(row, comfy_root, fixture_paths):
+    import comfy.lora
+    import comfy.sd
+    from pipetrainer.training.lora_file import stage_lora_tensors
+
+    trainer = _load(row, comfy_root, fixture_paths)
+    reference = _load(row, comfy_root, fixture_paths)
+    if row.load == "flux_small":  # seeded the same way: equal weights
+        reference.model.diffusion_model.load_state_dict(trainer.model.diffusion_model.state_dict())
+    adapter = adapter_for(row.family)
+    options = adapter.options_type()
+    noisy, sigma, cond, pooled, noised = _example(row, trainer.model, seed=2)
+    layers = adapter.stage_layers(trainer.model.diffusion_model)
+    lora, indexed, stage, count = _with_lora(adapter, layers, "all_linear")
+    with torch.no_grad():
+        out = _staged(adapter, layers, noised, cond, pooled, options)
+    ours = trainer.model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
+    tensors = stage_lora_tensors(stage, {i: layer.comfy_paths for i, layer in indexed}, lora)
+
+    key_map = comfy.lora.model_lora_keys_unet(reference.model, {})
+    modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in tensors}
+    assert len(modules) == count and modules <= set(key_map), sorted(modules - set(key_map))
+    with _warnings() as warnings:
+        patches = comfy.lora.load_lora(tensors, key_map)
+    assert not [w for w in warnings if "not loaded" in w], warnings
+    assert len(patches) == count
+
+    base = _comfy_denoised(reference.model, noisy, sigma, cond, pooled, row, options)
+    patched, _ = comfy.sd.load_lora_for_models(reference, None, tensors, 1.0, 0)
+    patched.patch_model()
+    try:
+        applied = _comfy_denoised(patched.model, noisy, sigma, cond, pooled, row, options)
+    finally:
+        patched.unpatch_model()
+    scale = applied.abs().max().item()
+    diff = (ours - applied).abs().max().item()
+    assert diff <= 1e-4 * scale, (diff, scale)
+    assert (applied - base).abs().max().item() > 10 * 1e-4 * scale  # the LoRA really acts
+
+
+def test_default_sigmas_follow_the_models_schedule(row, comfy_root, fixture_paths):
+    from pipetrainer.training.spec import TimestepSpec
+    from pipetrainer.training.timesteps import sample_sigmas
+
+    ms = _load(row, comfy_root, fixture_paths).model.model_sampling
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+    got = torch.quantile(sample_sigmas(40_000, TimestepSpec(), torch.Generator().manual_seed(0), ms).double(), q)
+    assert torch.allclose(got, torch.quantile(ms.sigmas.double(), q), atol=0.012), got
+
+
+def test_preflight_reads_the_family_rules_without_building_stage_layers(row, comfy_root, fixture_paths, monkeypatch):
+    from pipetrainer.training.pipelines import checks
+
+    model = _load(row, comfy_root, fixture_paths).model
+    adapter = adapter_for(row.family)
+    layouts = [False, *adapter.layer_layout(model.diffusion_model)]
+    monkeypatch.setattr(type(adapter), "stage_layers", lambda *a: pytest.fail("preflight built stage layers"))
+    inputs = checks.model_inputs(model)
+    assert inputs.family == row.family and inputs.latent_channels == model.latent_format.latent_channels
+    if row.model_file:  # the in-memory Flux is narrower than its family's latent format
+        assert inputs.latent_channels == row.latent[0]
+    assert inputs.geometry.video == (len(row.latent) == 4)
+    assert checks.model_support_problems(model) == [] and checks.block_layout(model) == layouts
+    assert checks.lora_parameter_count(model, 4, "attention") > 0
+
+
+# ---- slow tier: the real process tree ----------------------------------------------------------
+
+
+def _cache_items(row: Row, model, folder: Path, count: int = 2) -> list[CacheItem]:
+    """Plain-file cache items (no index) with seeded latents and conds of the row's shapes."""
+    from safetensors.torch import save_file
+
+    adapter = adapter_for(row.family)
+    context, pooled_dim = adapter.conditioning_dims(model.diffusion_model)
+    g = torch.Generator().manual_seed(7)
+    folder.mkdir(parents=True, exist_ok=True)
+    items = []
+    for i in range(count):
+        latent, text = folder / f"{i}.latent.safetensors", folder / f"{i}.text.safetensors"
+        save_file({"latent": torch.randn(*row.latent, generator=g)}, str(latent))
+        tensors = {"cond": torch.randn(row.tokens + i, context, generator=g)}
+        if pooled_dim:
+            tensors["pooled"] = torch.randn(pooled_dim, generator=g)
+        save_file(tensors, str(text))
+        items.append(CacheItem(str(latent), str(text), f"item{i}.png", f"caption {i}"))
+    return items
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [row.family for row in ROWS if row.model_file])
+def test_two_steps_in_one_and_two_stages_are_bitwise_equal(family, comfy_root, fixture_paths, tmp_path):
+    from safetensors.torch import load_file
+
+    row = BY_FAMILY[family]
+    path = _model_path(row, comfy_root, fixture_paths)
+    items = _cache_items(row, _load(row, comfy_root, fixture_paths).model, tmp_path / "cache")
+    runs = []
+    for stages in (1, 2):
+        # Uniform: the tiny models' embedders hold most parameters (Wan's 4096-wide text embedding), so a
+        # parameter-balanced split would leave stage 0 without a block; uniform puts a block boundary
+        # inside the transformer, where the block tuples cross it.
+        spec = make_spec(path, items, tmp_path / f"run{stages}", comfy_root, steps=2, pipeline_stages=stages,
+                         partition_method="uniform", lora=LoraSpec(rank=4, alpha=4.0, targets="attention_mlp"))
+        code, events = run_training(spec)
+        assert code == 0, [e for e in events if e["type"] == "error"]
+        assert next(e for e in events if e["type"] == "setup")["family"] == family
+        runs.append((losses(events), load_file(spec.lora_output)))
+    (one_losses, one), (two_losses, two) = runs
+    assert len(one_losses) == 2 and one_losses == two_losses
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert any(v.abs().max() > 0 for k, v in one.items() if k.endswith("lora_B.weight"))

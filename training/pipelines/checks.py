@@ -1,0 +1,222 @@
+"""Family-dependent preflight checks: a cache and a LoRA preset against a ComfyUI model, as pure functions.
+
+The node layer (nodes/preflight.py) reads the facts (cached tensor shapes from the cache index, the
+ComfyUI MODEL) and calls these; every rule they apply comes from the family adapter (patch sizes,
+video or image, text widths, named extras, LoRA targets), so a new family brings its own checks
+with its module. Nothing here builds stage layers, imports the trainer libraries (DeepSpeed, PEFT)
+or loads a tensor: it runs in the ComfyUI process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..loss import prediction_type
+from .base import ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
+from .targets import model_targets
+
+MAX_NAMED = 20  # items named per problem; the rest are counted
+
+
+def _named(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+@dataclass(frozen=True)
+class CachedShapes:
+    """Tensor shapes of the cached items, read from the cache index or file headers (no tensor is loaded).
+
+    Entries are keyed by an entry id (container file + key); ``items`` pairs each dataset item's
+    source name with its latent and text entry ids, so extras can be checked against their item.
+    """
+
+    latents: dict[str, tuple[int, ...]]  # entry -> [C, H, W] or [C, F, H, W]
+    conds: dict[str, tuple[int, ...]]  # entry -> [T, D]
+    pooled: dict[str, int]  # entry -> D (0: no pooled vector)
+    unreadable: tuple[str, ...]
+    extras: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # entry -> name -> shape
+    items: tuple[tuple[str, str, str], ...] = ()  # (source name, latent entry, text entry)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a ComfyUI model takes, as its family adapter describes it."""
+
+    family: str
+    latent_channels: int
+    geometry: Geometry
+    context_dim: int
+    pooled_dim: int
+    extras: Mapping[str, ExtraSpec] = field(default_factory=dict)
+
+    @property
+    def patch_size(self) -> int:
+        """The spatial patch size (height; every family so far patches square)."""
+        return self.geometry.spatial_patch[0]
+
+
+def model_inputs(model_base: object) -> ModelInputs | None:
+    """What the ComfyUI ``BaseModel`` takes, or None when its family is not trainable (reported elsewhere)."""
+    try:
+        family = family_name_for(model_base)
+        adapter = adapter_for(family)
+    except (UnknownFamilyError, ImportError):
+        return None
+    dm = model_base.diffusion_model
+    context, pooled = adapter.conditioning_dims(dm)
+    channels = int(getattr(model_base.latent_format, "latent_channels", 0) or getattr(dm, "in_channels", 0))
+    return ModelInputs(family, channels, adapter.geometry(dm), int(context), int(pooled), dict(adapter.extras(dm)))
+
+
+def model_support_problems(model_base: object) -> list[str]:
+    """A known family's adapter may still refuse this model (Flux.2, Fill, LongCat-Image, Ovis-Image are
+    loaded as Flux): its reason, before launching, instead of in the training process."""
+    inputs = model_inputs(model_base)
+    if inputs is None:
+        return []
+    problems = list(adapter_for(inputs.family).support_problems(model_base.diffusion_model))
+    try:  # a relative with its own prediction formula (e.g. WAN21_FlowRVS) is not trained as the family's
+        prediction_type(model_base.model_sampling)
+    except NotImplementedError as exc:
+        problems.append(f"PipeTrainer cannot train this {type(model_base).__name__} model: {exc}")
+    return problems
+
+
+def block_layout(model_base: object) -> list[bool]:
+    """The engine's layer list as swappable-or-not: the input preparation, then the family's stage layers."""
+    inputs = model_inputs(model_base)
+    if inputs is None:
+        return []
+    return [False, *adapter_for(inputs.family).layer_layout(model_base.diffusion_model)]
+
+
+def lora_parameter_count(model_base: object, rank: int, preset: str) -> int:
+    """LoRA parameters a run trains: ``rank * (in + out)`` for every target (the trainer's own rule)."""
+    inputs = model_inputs(model_base)
+    if inputs is None:
+        return 0
+    regex = adapter_for(inputs.family).lora_target_regex(preset)
+    return sum(rank * (m.in_features + m.out_features) for m in model_targets(model_base.diffusion_model, regex).values())
+
+
+# ---- the cache against the model --------------------------------------------------------------
+def latent_channel_problems(channels: Mapping[str, int], model_channels: int, family: str) -> list[str]:
+    wrong = sorted({c for c in channels.values() if c != model_channels})
+    if not wrong:
+        return []
+    return [f"The cached latents have {'/'.join(map(str, wrong))} channels but the {family} model takes "
+            f"{model_channels}: the VAE given to 'Cache Latents & Text' belongs to another model family. "
+            "Use this model's VAE and cache again."]
+
+
+def latent_size_problems(sizes: Mapping[str, tuple[int, int]], patch_size: int, family: str,
+                         min_patches: int = 4) -> list[str]:
+    """Latent sides must be whole multiples of the patch size and at least ``min_patches`` patches."""
+    odd = sorted({hw for hw in sizes.values() if hw[0] % patch_size or hw[1] % patch_size})
+    small = sorted({hw for hw in sizes.values() if min(hw) < min_patches * patch_size})
+    out = []
+    if odd:
+        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in odd)} are not multiples of the {family} "
+                   f"model's patch size {patch_size}, so the model would pad them: choose a resolution (and bucket "
+                   f"multiple) divisible by {patch_size} x the VAE's downscale (e.g. {patch_size * 8} px for an 8x VAE).")
+    if small:
+        out.append(f"The cached latents of {', '.join(f'{h}x{w}' for h, w in small)} are too small: the {family} model "
+                   f"needs at least {min_patches * patch_size} latent pixels per side "
+                   f"(e.g. {min_patches * patch_size * 8} px for an 8x VAE). Raise the resolution.")
+    return out
+
+
+def latent_frame_problems(latents: Mapping[str, tuple[int, ...]], geometry: Geometry, family: str) -> list[str]:
+    """Video latents ``[C, F, H, W]`` need a video model, and ``F`` a multiple of its temporal patch."""
+    frames = sorted({s[1] for s in latents.values() if len(s) == 4})
+    if not frames:
+        return []
+    if not geometry.video:
+        return [f"The cache holds video latents ({'/'.join(map(str, frames))} latent frames) but the {family} model "
+                "is an image model: train it on images, or load a video model."]
+    t = geometry.temporal_patch
+    odd = [f for f in frames if f % t]
+    if odd:
+        return [f"The cached videos have {'/'.join(map(str, odd))} latent frames, not multiples of the {family} "
+                f"model's temporal patch {t}: choose frame counts that give multiples of {t} latent frames."]
+    return []
+
+
+def text_dim_problems(cond_dims: Mapping[str, int], pooled_dims: Mapping[str, int], context_dim: int,
+                      pooled_dim: int, family: str) -> list[str]:
+    """Text embeddings must have the width of the model's context input (and pooled vector, if it takes one)."""
+    out = []
+    wrong = sorted({d for d in cond_dims.values() if d != context_dim})
+    if wrong:
+        out.append(f"The cached text embeddings are {'/'.join(map(str, wrong))} wide but the {family} model's context "
+                   f"input takes {context_dim}: the CLIP / text encoder given to 'Cache Latents & Text' belongs to "
+                   "another model family. Load this model's text encoder(s) and cache again.")
+    wrong_pooled = sorted({d for d in pooled_dims.values() if d != pooled_dim})
+    if pooled_dim and wrong_pooled:
+        got = "/".join("none" if d == 0 else str(d) for d in wrong_pooled)
+        out.append(f"The cached pooled text vectors are {got} wide but the {family} model takes {pooled_dim}: "
+                   "use the text encoder(s) of this model family (e.g. CLIP-L/G for SD3) and cache again.")
+    return out
+
+
+def expected_extra_shape(spec: ExtraSpec, latent: tuple[int, ...], cond: tuple[int, ...] | None) -> tuple | None:
+    """The shape ``spec`` asks for with this item's sizes bound (``*`` stays), or None if a size is unknown."""
+    c, f, h, w = (latent[0], 1, *latent[-2:]) if len(latent) == 3 else latent
+    sizes = {"C": c, "F": f, "H": h, "W": w}
+    if cond is not None:
+        sizes["T"] = cond[0]
+    out = []
+    for dim in spec.shape:
+        if isinstance(dim, int) or dim == "*":
+            out.append(dim)
+        elif dim in sizes:
+            out.append(sizes[dim])
+        else:
+            return None
+    return tuple(out)
+
+
+def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family: str) -> list[str]:
+    """Every required extra is in the cache, and every cached one has the shape the model declares."""
+    missing: dict[str, list[str]] = {}
+    wrong: dict[str, list[str]] = {}
+    for source, latent_entry, text_entry in shapes.items:
+        latent = shapes.latents.get(latent_entry)
+        if latent is None:
+            continue  # unreadable: reported on its own
+        cond = shapes.conds.get(text_entry)
+        for name, spec in specs.items():
+            entry = latent_entry if spec.source == "latent" else text_entry
+            got = shapes.extras.get(entry, {}).get(name)
+            if got is None:
+                if spec.required:
+                    missing.setdefault(name, []).append(source)
+                continue
+            expected = expected_extra_shape(spec, latent, cond)
+            if expected is not None and (len(got) != len(expected) or any(
+                    e != "*" and e != g for e, g in zip(expected, got, strict=True))):
+                wrong.setdefault(name, []).append(f"{source} {list(got)} (expected {list(expected)})")
+    out = []
+    for name, sources in missing.items():
+        what = specs[name].description or name
+        out.append(f"The {family} model needs {what} ('{name}') for every item, and the cache has none for "
+                   f"{_named(sources)}: cache the dataset again with the inputs this model needs.")
+    for name, found in wrong.items():
+        out.append(f"The cached '{name}' of {_named(found)} does not fit the {family} model: cache again with "
+                   "this model's encoders.")
+    return out
+
+
+def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[str]:
+    g = inputs.geometry
+    spatial = {p: (s[-2], s[-1]) for p, s in shapes.latents.items() if len(s) >= 3}
+    out = latent_channel_problems({p: s[0] for p, s in shapes.latents.items()}, inputs.latent_channels, inputs.family)
+    out += latent_size_problems(spatial, g.spatial_patch[0], inputs.family, g.min_patches)
+    out += latent_frame_problems(shapes.latents, g, inputs.family)
+    if inputs.context_dim:
+        out += text_dim_problems({p: s[-1] for p, s in shapes.conds.items()}, shapes.pooled, inputs.context_dim,
+                                 inputs.pooled_dim, inputs.family)
+    out += extra_problems(shapes, inputs.extras, inputs.family)
+    return out
