@@ -42,6 +42,7 @@ def build_stage(device, model_path: Path):
 def step(adapter, layers, optimizer, device, resolution: int) -> None:
     import torch
     import torch.utils.checkpoint
+    from pipetrainer.training.pipelines.base import Batch
 
     g = torch.Generator().manual_seed(0)
     side = resolution // 8
@@ -49,7 +50,8 @@ def step(adapter, layers, optimizer, device, resolution: int) -> None:
     cond = torch.randn(1, 77, 768, generator=g).to(device)
     pooled = torch.randn(1, 768, generator=g).to(device)
     out = tuple(t.detach().requires_grad_(t.is_floating_point())
-                for t in adapter.first_stage_inputs(x, torch.tensor([0.5], device=device), cond, pooled))
+                for t in adapter.first_stage_inputs(Batch(x, torch.tensor([0.5], device=device), cond, pooled,
+                                                         options=adapter.options_type())))
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for layer in layers:
         out = checkpoint(layer, out)

@@ -7,6 +7,7 @@ group if that takes too long. Whatever happens in the node, no training process 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..training.events import EventReader, stop_path
+from ..training.events import EventReader, EventWriter, stop_path
 from ..training.spec import RunSpec
+from .warm_pool import WarmKey, WarmPool, hand_over
 
 ENTRY = Path(__file__).resolve().parent.parent / "training" / "entry.py"
 EXIT_OK, EXIT_STOPPED = 0, 3
@@ -41,12 +43,23 @@ class RunHandle:
         return Path(self.spec.run_dir)
 
 
-def launch(spec: RunSpec) -> RunHandle:
-    """Write the spec into its run dir and start the supervisor in a new session."""
+def warm_key(spec: RunSpec) -> WarmKey:
+    return WarmKey(spec.device, spec.comfyui_path)
+
+
+def launch(spec: RunSpec, pool: WarmPool | None = None) -> RunHandle:
+    """Write the spec into its run dir and start its supervisor in a new session: the pool's warm one
+    (nodes/warm_pool.py) when it fits the run, else a fresh one."""
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.to_json(), encoding="utf-8")
+    if spec.device == "cuda" and spec.launch.gpus:
+        _note_gpus(spec)
+    warm = pool.take(warm_key(spec)) if pool is not None else None
+    if warm is not None:
+        hand_over(warm, spec_path)
+        return RunHandle(spec, warm, EventReader(run_dir))
     log = open(run_dir / "logs" / "supervisor.log", "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, str(ENTRY), "supervise", str(spec_path)], stdout=log,
@@ -60,24 +73,43 @@ def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Cal
     """Forward events until the supervisor exits; on interrupt, stop the run and return its code.
 
     Exceptions raised by ``on_event`` (ComfyUI's progress hook raises on Cancel) also stop the run.
+    After a stop, the events written while stopping (the checkpoint's ``saved``, ``stopped``) are in
+    ``handle.events`` without being forwarded, so the caller can say where the run stopped.
     """
     try:
         while True:
             code = handle.proc.poll()
             for event in handle.reader.poll():
-                handle.events.append(event)
-                on_event(event)
+                _deliver(handle, event, on_event)
             if code is not None:
                 for event in handle.reader.poll():
-                    handle.events.append(event)
-                    on_event(event)
+                    _deliver(handle, event, on_event)
                 return code
             if interrupted():
-                return stop(handle)
+                code = stop(handle)
+                handle.events.extend(handle.reader.poll())
+                return code
             time.sleep(POLL_S)
     except BaseException:
         stop(handle)
+        handle.events.extend(handle.reader.poll())
         raise
+
+
+def _deliver(handle: RunHandle, event: dict, on_event: Callable[[dict], None]) -> None:
+    """Record and forward one event; ``note`` events (a launch setting set aside, the GPUs) also go to
+    ComfyUI's console, where the user looks first."""
+    handle.events.append(event)
+    if event.get("type") == "note":
+        logging.info("[PipeTrainer] %s", event.get("message", ""))
+    on_event(event)
+
+
+def _note_gpus(spec: RunSpec) -> None:
+    """Put the ranks' GPUs with their memory, as it is once ComfyUI freed its models, into the run log."""
+    from .gpus import gpu_table, visible_gpus
+
+    EventWriter(spec.run_dir, source="node").emit("note", message=gpu_table(spec.launch.gpus, visible_gpus()))
 
 
 def stop(handle: RunHandle, grace_s: float = STOP_GRACE_S) -> int:
@@ -125,11 +157,16 @@ def _group_alive(pgid: int) -> bool:
 
 
 def failure_message(handle: RunHandle) -> str:
-    """The most useful error text: rank errors, the supervisor's verdict, and log tails."""
-    parts = []
+    """The most useful error text: the kernel's cause of a rank's death, rank errors (each message once,
+    with the ranks that raised it: a diverged loss stops every rank with the same one), the
+    supervisor's verdict, and log tails."""
+    parts = [e["cause_text"] for e in handle.events if e.get("type") == "failed" and e.get("cause_text")]
+    by_message: dict[str, list[int]] = {}
     for e in handle.events:
         if e.get("type") == "error":
-            parts.append(f"rank {e.get('rank')}: {e.get('message')}")
+            by_message.setdefault(str(e.get("message")), []).append(int(e.get("rank", -1)))
+    for message, ranks in by_message.items():
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: {message}")
     for e in handle.events:
         if e.get("type") == "failed":
             parts.append(f"rank {e.get('rank')} exited with code {e.get('exit_code')}. Log tail:\n{e.get('log_tail', '')}")

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.offload.block_swap import BlockSwapper, swap_last_blocks
 from pipetrainer.training.offload.stages import blocks_to_swap_problem, swappable_per_stage, uniform_boundaries
+from pipetrainer.training.pipelines.base import Batch
 from safetensors.torch import load_file
 
 
@@ -55,7 +56,7 @@ def _step(adapter, layers, checkpointing: bool = True):
     t = torch.tensor([0.5])
     cond = torch.randn(1, 77, 768, generator=g)
     pooled = torch.randn(1, 768, generator=g)
-    out = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in adapter.first_stage_inputs(x, t, cond, pooled))
+    out = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in adapter.first_stage_inputs(Batch(x, t, cond, pooled, options=adapter.options_type())))
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for layer in layers:
         out = checkpoint(layer, out) if checkpointing else layer(out)

@@ -7,28 +7,46 @@ all-reduce of a stop flag so every rank stops at the same step and saves collect
 from __future__ import annotations
 
 import functools
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 
 from ..patches.deepspeed_pipe_backward import use_single_backward
 from .clipping import GlobalNormClipping
+from .collectives import any_rank_requests_stop, gather_objects_to_rank0, wait_for_all_ranks
 from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
-from .lora_file import atomic_save, lora_state_dict
-from .lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+from .health import check_lora_update, check_loss
+from .lora_file import atomic_save, link_or_copy, stage_lora_tensors, step_lora_name
+from .lora_inject import freeze_all_but_lora, inject_lora
 from .loss import mse_loss
-from .offload.block_swap import swap_last_blocks
+from .model_source import finish_loading
+from .offload.block_swap import BlockSwapper
+from .offload.placement import last_swappable, move_trainable, place_stage
 from .offload.stages import blocks_to_swap_problem, swappable_per_stage
+from .optimizers import StageOptimizer, build_stage_optimizer, ema_path
 from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .pipelines.base import adapter_for, family_name_for
+from .pipelines.options import parse_family_options
 from .process_util import process_alive
-from .spec import RunSpec
+from .resume import (
+    apply_changed_hyperparameters,
+    check_resume,
+    recorded_spec,
+    restore_rng_states,
+    resume_problem,
+    save_checkpoint_spec,
+    save_rng_states,
+    seed_rank_rngs,
+    write_saved_marker,
+)
+from .spec import RunSpec, SpecError
+from .stage_engine import build_stage_engine
+from .stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
+from .tensorboard_log import TensorBoardLog
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -51,31 +69,13 @@ class RankContext:
     local_rank: int
     device: torch.device
     events: EventWriter
+    load_group: object = None  # a long-timeout group: waiting for slower ranks to load is not a hang
 
 
-def build_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
-    o = spec.optimizer
-    if o.name == "AdamW":
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    elif o.name == "AdamW8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as exc:  # pragma: no cover - depends on the platform
-            raise RuntimeError("AdamW8bit needs bitsandbytes: pip install bitsandbytes, or choose AdamW.") from exc
-        opt = bnb.optim.AdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    else:
-        raise ValueError(f"Unknown optimizer {o.name!r}")
-    total, warmup = spec.train.steps, o.warmup_steps
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if o.schedule == "cosine":
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+def build_optimizer(spec: RunSpec, named_params) -> StageOptimizer:
+    """The stage's optimizer, LR schedule and EMA (training/optimizers.py) for its trainable
+    ``(name, parameter)`` pairs: names decide LoRA+ and the weight-decay groups."""
+    return build_stage_optimizer(spec.optimizer, named_params, spec.train.steps)
 
 
 def deepspeed_config(spec: RunSpec, data_parallel: int) -> dict:
@@ -100,16 +100,26 @@ class Trainer:
         self.run_dir = Path(spec.run_dir)
         self.step = 0
         self.step_times: list[float] = []
+        self.clipping: GlobalNormClipping | None = None  # its last_norm is the step's grad norm
 
     # ---- set-up --------------------------------------------------------------------------------
-    def setup(self, patcher) -> None:
-        import deepspeed
+    def setup(self, patcher, deferred: DeferredWeights | None = None) -> None:
+        """Build this rank's stage. With ``deferred`` (the rank's normal path) only this stage's frozen
+        weights are loaded (training/stage_weights.py); without it the patcher holds every weight."""
         from deepspeed.pipe import PipelineModule
 
         spec, ctx = self.spec, self.ctx
+        if spec.resume_from:  # before any work: a checkpoint of other settings must not be continued
+            problem = resume_problem(spec)
+            if problem:
+                raise ValueError(problem)
         model = patcher.model
         self.family = family_name_for(model)
         self.adapter = adapter_for(self.family)
+        self.family_options, problems = parse_family_options(self.family, self.adapter.options_type,
+                                                             spec.family_options)
+        if problems:
+            raise SpecError(problems)
         dm = model.diffusion_model
         # DeepSpeed's "parameters" partitioning counts trainable parameters only: let it see the base
         # weights as trainable while it partitions, then freeze them (LoRA is injected afterwards).
@@ -138,31 +148,42 @@ class Trainer:
             raise ValueError(swap_problem)
         local = [(int(name), layer) for name, layer in self.module.named_children() if name.isdigit()]
         self.layer_paths = {i: dict(getattr(layer, "comfy_paths", {})) for i, layer in local}
-        self.module.to(ctx.device)
+        local_layers = [layer for _, layer in local]
+        self.foreign_paths = foreign_module_paths(layers, {i for i, _ in local})
+        if deferred is not None:
+            finish_loading(patcher, deferred, self.foreign_paths)
+        wait_for_all_ranks(ctx.load_group)  # the next collectives have the (shorter) training timeout
+        # Swapped blocks keep their frozen weights in host memory from the start: only the rest of the
+        # stage (and, after injection, every LoRA) goes to the device, so the stage never sits whole there.
+        swapped = last_swappable(local_layers, spec.train.blocks_to_swap)
+        place_stage(local_layers, swapped, ctx.device)
         self.lora_count = inject_lora(local, regex, spec.lora, spec.train.seed)
         params = freeze_all_but_lora(self.module)
+        if move_trainable(swapped, ctx.device):  # new Parameter objects: collect them again
+            params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError(
                 f"No LoRA target matched on pipeline stage {self.module.stage_id} (preset {spec.lora.targets!r}, "
                 f"layers {sorted(self.layer_paths)}): choose a wider target preset or fewer pipeline stages."
             )
-        optimizer, scheduler = build_optimizer(spec, params)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.module, optimizer=optimizer, lr_scheduler=scheduler,
-            model_parameters=params, config=deepspeed_config(spec, data_parallel=self.data_parallel),
-        )
+        self.optim = build_optimizer(spec, [(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
+        optimizer, scheduler = self.optim.optimizer, self.optim.scheduler
+        self.block_swapper = BlockSwapper(swapped, ctx.device).attach() if swapped else None
+        # The engine leaves the stage where it is and broadcasts only the LoRA (training/stage_engine.py).
+        self.engine = build_stage_engine(self.module, optimizer, scheduler, params,
+                                         deepspeed_config(spec, data_parallel=self.data_parallel))
         use_single_backward(self.engine)
-        # After deepspeed.initialize, which moves the whole module to the device: only then can blocks leave it.
-        self.block_swapper = swap_last_blocks([layer for _, layer in local], spec.train.blocks_to_swap, ctx.device)
         if spec.train.max_grad_norm > 0:
-            optimizer.register_step_pre_hook(
-                GlobalNormClipping(spec.train.max_grad_norm, self.engine.grid.get_pipe_parallel_group()))
+            self.clipping = GlobalNormClipping(spec.train.max_grad_norm, self.engine.grid.get_pipe_parallel_group())
+            optimizer.register_step_pre_hook(self.clipping)
         self.scheduler = scheduler
         self.batches = MicroBatches(
-            load_examples(spec.items), spec.train.batch_size, spec.train.seed, model, self.adapter,
-            spec.train.timestep_sampling, ctx.device,
+            self._examples(model), spec.train.batch_size, spec.train.seed, model, self.adapter,
+            spec.train.timesteps, ctx.device,
             replica=self.engine.grid.data_parallel_id, replicas=self.data_parallel,
+            family_options=self.family_options,
         )
+        seed_rank_rngs(spec.train.seed, ctx.rank)  # LoRA dropout; a resumed run restores the saved states
         if spec.resume_from:
             self._load_checkpoint(spec.resume_from)
         if ctx.rank == 0:
@@ -177,7 +198,25 @@ class Trainer:
                 partition=self.boundaries, stages=[list(p.layers) for p in self.plan], layers=len(layers),
                 world_size=ctx.world_size, data_parallel=self.data_parallel, resumed_step=self.step,
                 swapped_blocks_stage0=self.block_swapper.block_names() if self.block_swapper else [],
+                broadcast_tensors_stage0=self.engine.broadcast_tensors, trainable_tensors_stage0=len(params),
             )
+
+    def _examples(self, model) -> list:
+        """The cached examples this stage uses: inputs on the first stage, targets (latents only) on the
+        last, nothing in between (DeepSpeed loads micro-batches on those two stages only)."""
+        stages = self.spec.train.pipeline_stages
+        first, last = self.stage_id == 0, self.stage_id == stages - 1
+        examples = []
+        if first or last:
+            text_dtype = model.manual_cast_dtype or model.get_dtype()
+            examples = load_examples(self.spec.items, text=first, text_dtype=text_dtype)
+        dm = model.diffusion_model
+        self.ctx.events.emit(
+            "stage_memory", rank=self.ctx.rank, stage=self.stage_id, examples=len(examples), text=first,
+            local_bytes=resident_bytes(self.module),
+            foreign_bytes=sum(resident_bytes(dm.get_submodule(p)) for p in self.foreign_paths),
+        )
+        return examples
 
     @property
     def data_parallel(self) -> int:
@@ -201,45 +240,56 @@ class Trainer:
         data = self.batches.iterate(self.step * ga)
         started = time.monotonic()
         first_step = self.step
+        if ctx.rank == 0:
+            resumed = f"resumed from step {first_step}; " if first_step else ""
+            ctx.events.emit("phase", phase="first_step", step=first_step, total=spec.train.steps,
+                            resumed_from=first_step,
+                            text=f"{resumed}step {first_step}/{spec.train.steps}: first step (warming up)")
+        board = TensorBoardLog.open(self.run_dir, self._note) if ctx.rank == 0 else TensorBoardLog()
         while self.step < spec.train.steps:
             t0 = time.monotonic()
-            loss = self.engine.train_batch(data_iter=data)
+            loss = float(self.engine.train_batch(data_iter=data))
             self.step += 1
             self.step_times.append(time.monotonic() - t0)
+            check_loss(loss, self.step, spec.optimizer.lr)  # the same value on every rank: all stop here
             if ctx.rank == 0:
                 now = time.monotonic()
                 done = self.step - first_step
                 rate = done / max(now - started, 1e-9)
+                lr = self.optim.current_lr()
+                grad_norm = self.clipping.last_norm if self.clipping is not None else None
                 ctx.events.emit(
-                    "step", step=self.step, total=spec.train.steps, loss=float(loss),
-                    lr=float(self.scheduler.get_last_lr()[0]), step_time=now - t0, it_s=rate,
+                    "step", step=self.step, total=spec.train.steps, loss=loss,
+                    lr=lr, step_time=now - t0, it_s=rate, grad_norm=grad_norm,
                     eta_s=(spec.train.steps - self.step) / rate if rate > 0 else None,
                 )
+                board.scalars(self.step, {"loss/train": loss, "lr": lr, "grad_norm": grad_norm,
+                                          "step_time_s": now - t0})
             if self._stop_requested():
+                board.close()
                 self.save(final=False)
                 return "stopped"
             every = spec.train.save_every
             if every and self.step % every == 0 and self.step < spec.train.steps:
                 self.save(final=False)
+        board.close()
         self.save(final=True)
         return "finished"
+
+    def _note(self, text: str) -> None:
+        """Tell the user once, in the run log and the events, about something worth knowing."""
+        print(f"[pipetrainer] {text}", flush=True)
+        self.ctx.events.emit("notice", text=text)
 
     def _stop_requested(self) -> bool:
         """True on every rank if any rank saw the stop file or lost its parent."""
         local = stop_path(self.run_dir).exists() or (self.spec.parent_pid > 0 and not process_alive(self.spec.parent_pid))
-        flag = torch.tensor([1.0 if local else 0.0])
-        if dist.is_initialized() and self.ctx.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank_requests_stop(local, None, self.ctx.device)
 
     # ---- saving --------------------------------------------------------------------------------
     def _gathered_lora(self) -> dict[str, torch.Tensor] | None:
-        mine = lora_state_dict(named_lora_parameters(self.module), self.layer_paths, self.spec.lora.alpha)
-        if self.ctx.world_size == 1:
-            return mine
-        parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if self.ctx.rank != 0:
+        parts = gather_objects_to_rank0(stage_lora_tensors(self.module, self.layer_paths, self.spec.lora))
+        if parts is None:
             return None
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -260,17 +310,51 @@ class Trainer:
         """Collective: checkpoint (LoRA + optimizer, all stages) and the LoRA file."""
         tag = f"step{self.step:07d}"
         ckpt_dir = self.run_dir / CHECKPOINT_DIR
+        # Before DeepSpeed's files, so a checkpoint DeepSpeed calls complete always has them.
+        save_rng_states(ckpt_dir / tag, self.ctx.rank, self.ctx.device)
+        self.optim.save_state(ckpt_dir / tag, self.ctx.rank)  # the EMA, if on
+        if self.ctx.rank == 0:
+            save_checkpoint_spec(ckpt_dir / tag, self.spec)
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": self.step},
                                     exclude_frozen_parameters=True)
-        tensors = self._gathered_lora()
+        # Inside: schedule-free's averaged weights (training weights restored bitwise after); the files
+        # are written inside too, because the gathered tensors may share the parameters' storage.
+        with self.optim.lora_weights():
+            tensors = self._gathered_lora()
+            if self.ctx.rank == 0:
+                check_lora_update(tensors, self.step, self.spec.optimizer.lr)
+                path, copies = self._write_lora(tensors, final)
+        if self.optim.ema is not None:
+            with self.optim.ema_weights():
+                ema = self._gathered_lora()
+                if self.ctx.rank == 0:
+                    atomic_save(ema, ema_path(path), {**self.metadata(), "ema_decay": str(self.optim.ema.decay)})
         if self.ctx.rank != 0:
             return
-        if final:
-            path = Path(self.spec.lora_output)
-        else:
-            path = self.run_dir / "loras" / f"{Path(self.spec.lora_output).stem}-{tag}.safetensors"
-        atomic_save(tensors, path, self.metadata())
-        self.ctx.events.emit("saved", path=str(path), step=self.step, final=final, checkpoint=str(ckpt_dir / tag))
+        write_saved_marker(ckpt_dir / tag, self.step, str(path))  # last: the checkpoint is complete
+        self.ctx.events.emit("saved", path=str(path), step=self.step, final=final, checkpoint=str(ckpt_dir / tag),
+                             copies=copies, ema=str(ema_path(path)) if self.optim.ema is not None else None)
+
+    def _write_lora(self, tensors: dict[str, torch.Tensor], final: bool) -> tuple[Path, list[str]]:
+        """Rank 0: write the LoRA file; return its path and the names it was linked or copied to."""
+        # One file, several names (hard links, else copies): the final one at lora_output; each save,
+        # named by run and step, where the stock LoraLoader lists it (step_loras_dir) and in the run dir.
+        name = step_lora_name(self.spec.lora_output, self.run_dir, self.step)
+        named = [Path(d) / name for d in (self.spec.step_loras_dir, self.run_dir / "loras") if str(d)]
+        path = atomic_save(tensors, self.spec.lora_output if final else named[0], self.metadata())
+        return path, [str(link_or_copy(path, other)) for other in named if other != path]
+
+    def _apply_new_optimizer_settings(self, checkpoint: str) -> None:
+        """After loading a checkpoint of other optimizer settings: put this run's into the optimizer."""
+        earlier = recorded_spec(checkpoint)
+        if earlier is None:  # check_resume refuses a checkpoint without a readable record
+            raise RuntimeError(f"Checkpoint {checkpoint} has no readable record of its optimizer settings.")
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        before = build_optimizer(earlier, named).optimizer.param_groups
+        after = build_optimizer(self.spec, named).optimizer.param_groups
+        changed = apply_changed_hyperparameters(self.optim.optimizer, self.optim.scheduler, before, after)
+        if changed and self.ctx.rank == 0:
+            print(f"[pipetrainer] continuing with the new optimizer settings: {', '.join(changed)}", flush=True)
 
     def _load_checkpoint(self, checkpoint: str) -> None:
         ckpt = Path(checkpoint)
@@ -284,3 +368,18 @@ class Trainer:
         if client is None:
             raise RuntimeError(f"Could not load the checkpoint {checkpoint}: {advice}.")
         self.step = int(client["step"])
+        check = check_resume(self.spec)  # refusals were raised in setup, before any work
+        if check.warnings:  # changed settings: the loaded optimizer and schedule take the new ones
+            self._apply_new_optimizer_settings(checkpoint)
+        warning = check.warning_text if self.ctx.rank == 0 else ""
+        if warning:
+            print(f"[pipetrainer] warning: {warning}", flush=True)
+            self.ctx.events.emit("warning", about="resume", step=self.step, text=warning)
+        if not self.optim.load_state(ckpt, self.ctx.rank) and self.ctx.rank == 0:  # the EMA, if on
+            self._note(f"checkpoint {checkpoint} holds no EMA (its run had ema_decay 0): the EMA starts from "
+                       f"the weights of step {self.step}.")
+        # Last: nothing after this may draw from the RNGs before the next step, as in an uninterrupted run.
+        if not restore_rng_states(ckpt, self.ctx.rank, self.ctx.device) and self.spec.lora.dropout > 0:
+            print(f"[pipetrainer] checkpoint {checkpoint} holds no RNG state for rank {self.ctx.rank} (written "
+                  f"before they were saved): LoRA dropout draws after step {self.step} differ from an "
+                  "uninterrupted run.", flush=True)

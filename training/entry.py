@@ -28,18 +28,29 @@ def import_pack(name: str = PACKAGE):
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("supervise", "rank"):
-        print("usage: entry.py supervise|rank <spec.json>", file=sys.stderr)
+    commands = {"supervise": 1, "rank": 1, "warm": 3, "warm-rank": 0}
+    if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]]:
+        print("usage: entry.py supervise|rank <spec.json> | warm <device> <parent pid> <log dir> | warm-rank",
+              file=sys.stderr)
         return 2
     import_pack()
-    command, spec_path = argv
+    command, args = argv[0], argv[1:]
+    entry = str(Path(__file__).resolve())
     if command == "supervise":
         from pipetrainer.training.supervisor import supervise
 
-        return supervise(spec_path, entry=str(Path(__file__).resolve()))
+        return supervise(args[0], entry=entry)
+    if command == "warm":
+        from pipetrainer.training.warm import warm_supervise
+
+        return warm_supervise(entry, device=args[0], parent_pid=int(args[1]), log_dir=args[2])
+    if command == "warm-rank":
+        from pipetrainer.training.warm import run_warm_rank
+
+        return run_warm_rank()
     from pipetrainer.training.rank import run_rank
 
-    return run_rank(spec_path)
+    return run_rank(args[0])
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def rss_mb() -> float:
+    """Resident memory of this process now (Linux: resident pages from /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def run_rank(spec_path: str) -> int:
     """One rank. RANK / WORLD_SIZE / LOCAL_RANK come from the supervisor or from a launcher
     (torchrun, DeepSpeed's multi-node launcher); PIPETRAINER_INIT_METHOD is the supervisor's file
@@ -64,17 +70,9 @@ def _train(spec: RunSpec, rank: int, world: int, local_rank: int, events: EventW
 
     if spec.device == "cpu":
         torch.set_num_threads(int(os.environ.get("PIPETRAINER_THREADS", "1")))
-    from .comfy_env import use_comfyui
-
-    use_comfyui(spec.comfyui_path, spec.device)
-    from ..patches.deepspeed_shm import disable_shm_comm_build
-
-    disable_shm_comm_build()
-    import deepspeed
-
-    from .engine import RankContext, Trainer
-    from .model_source import load_model
-
+    # The device first: importing comfy.model_management probes the current GPU. The supervisor gives
+    # every rank the run's GPUs as CUDA_VISIBLE_DEVICES, in rank order, so LOCAL_RANK is this rank's
+    # GPU (DeepSpeed's engine and PipelineModule also go by LOCAL_RANK).
     if spec.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -82,14 +80,36 @@ def _train(spec: RunSpec, rank: int, world: int, local_rank: int, events: EventW
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    from .comfy_env import enable_comfy_training_mode
+    from .launch_apply import apply_launch_settings
+
+    apply_launch_settings(spec, rank, device, events)  # ComfyUI's args as the ComfyUI process had them
+    from ..patches.deepspeed_shm import disable_shm_comm_build
+
+    disable_shm_comm_build()
+    import deepspeed
+
+    from .collectives import loading_group
+    from .engine import RankContext, Trainer
+    from .model_source import load_model
+    from .stage_weights import DeferredWeights
+
     deepspeed.init_distributed(
         dist_backend=backend, auto_mpi_discovery=False, verbose=False,
         init_method=os.environ.get("PIPETRAINER_INIT_METHOD", "env://"), rank=rank, world_size=world,
         timeout=timedelta(seconds=float(os.environ.get("PIPETRAINER_PG_TIMEOUT", "300"))),
     )
-    patcher = load_model(spec.model, spec.train.dtype)
-    trainer = Trainer(spec, RankContext(rank, world, local_rank, device, events))
-    trainer.setup(patcher)
+    enable_comfy_training_mode()  # after set_device: RoPE models need it for backward on current ComfyUI
+    load_group = loading_group(float(os.environ.get("PIPETRAINER_LOAD_TIMEOUT", "7200")))
+    deferred = DeferredWeights()  # only this rank's stage gets its weights (training/stage_weights.py)
+    events.emit("rank_memory", rank=rank, before_load_mb=rss_mb(), peak_before_load_mb=peak_rss_mb())
+    if rank == 0:  # start-up phases, shown on the Train node until the first step reports
+        events.emit("phase", phase="loading_model", text="loading the model")
+    patcher = load_model(spec.model, spec.train.dtype, deferred)
+    trainer = Trainer(spec, RankContext(rank, world, local_rank, device, events, load_group))
+    if rank == 0:
+        events.emit("phase", phase="setup", text=f"building the {spec.train.pipeline_stages}-stage pipeline")
+    trainer.setup(patcher, deferred)
     outcome = trainer.train()
     events.emit("rank_done", rank=rank, stage=trainer.stage_id, step=trainer.step, peak_rss_mb=peak_rss_mb(),
                 seconds_per_step=trainer.seconds_per_step)

@@ -253,12 +253,7 @@ def swap_last_blocks(layers: Sequence[nn.Module], blocks_to_swap: int, compute_d
     ``layers`` are one stage's layers in forward order; a layer is swappable when its family adapter
     marks it (``StageLayer.swappable``). Raises if the stage has fewer swappable layers than asked.
     """
-    from .stages import blocks_to_swap_problem, is_swappable
+    from .placement import last_swappable
 
-    if blocks_to_swap <= 0:
-        return None
-    candidates = [layer for layer in layers if is_swappable(layer)]
-    problem = blocks_to_swap_problem(blocks_to_swap, [len(candidates)])
-    if problem:
-        raise ValueError(problem)
-    return BlockSwapper(candidates[len(candidates) - blocks_to_swap:], compute_device, **options).attach()
+    blocks = last_swappable(layers, blocks_to_swap)
+    return BlockSwapper(blocks, compute_device, **options).attach() if blocks else None
