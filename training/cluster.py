@@ -72,6 +72,7 @@ def write_cluster_bundle(spec: RunSpec, entry: str | Path, nodes: int | None = N
         f"{spec.train.data_parallel} data-parallel replica(s) = {spec.world_size} ranks on {nodes} machine(s).\n"
         "# Every machine needs this pack, the model, the cache files and the run dir at the same paths\n"
         "# (a shared filesystem is simplest); see docs/cluster.md.\n"
+        + launch_comment(spec) +
         "set -euo pipefail\n"
         f"ENTRY=${{PIPETRAINER_ENTRY:-{shlex.quote(str(entry))}}}\n"
         f"SPEC=${{PIPETRAINER_SPEC:-{shlex.quote(str(spec_path))}}}\n"
@@ -91,6 +92,22 @@ def write_cluster_bundle(spec: RunSpec, entry: str | Path, nodes: int | None = N
                   header + "# Run on every machine with NODE_RANK=0..N-1 (0 on the MASTER_ADDR machine).\n"
                   + _shell(tr))
     return folder
+
+
+def launch_comment(spec: RunSpec) -> str:
+    """Script comment lines: the ComfyUI launch settings the ranks apply (from the spec) and the GPUs.
+
+    The settings travel in the bundle's spec.json, so every rank of every machine computes as the
+    ComfyUI process that queued the run did; the comment shows them to whoever edits the bundle.
+    """
+    flags = " ".join(shlex.quote(f) for f in spec.launch.as_flags()) or "(none)"
+    text = f"# ComfyUI launch settings, applied by every rank from spec.json: {flags}\n"
+    if spec.device == "cuda":
+        used = (f"; on its own machine this run used CUDA devices {spec.launch.cuda_visible_devices}"
+                if spec.launch.cuda_visible_devices else "")
+        text += ("# GPUs: each rank uses its LOCAL_RANK's GPU among CUDA_VISIBLE_DEVICES (DeepSpeed's launcher: "
+                 f"--include){used}.\n")
+    return text
 
 
 def _shell(argv: list[str]) -> str:
