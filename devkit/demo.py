@@ -59,15 +59,21 @@ def write_ui_workflows() -> int:
 
     The API twins live in a subfolder because ComfyUI offers every ``workflows/*.json`` of a custom
     node pack in its template browser, and only the UI format belongs there.
+    Each ``workflows/api/<name>.md`` (first line: a title) becomes the note that opens the workflow, and
+    ``workflows/<name>.jpg`` the thumbnail ComfyUI's template browser shows for it.
     """
-    from .workflow_ui import api_to_ui
+    from .workflow_ui import api_to_ui, thumbnail
 
     root = ensure_host()
     with ComfyServer(root, PACK_DIR / ".host" / "ui-workflow-server.log") as server:
         object_info = server.get("/object_info")
     for api_file in sorted((PACK_DIR / "workflows" / "api").glob("*.json")):
-        ui = api_to_ui(json.loads(api_file.read_text()), object_info)
+        description = api_file.with_suffix(".md")
+        note = description.read_text(encoding="utf-8").strip() if description.exists() else ""
+        ui = api_to_ui(json.loads(api_file.read_text()), object_info, note=note)
         target = PACK_DIR / "workflows" / api_file.name
         target.write_text(json.dumps(ui, indent=1) + "\n")
-        print(target)
+        title = note.splitlines()[0].lstrip("# ").strip() if note else api_file.stem
+        thumbnail(ui, object_info, title).save(target.with_suffix(".jpg"), quality=88)
+        print(target, target.with_suffix(".jpg"))
     return 0

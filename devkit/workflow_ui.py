@@ -1,8 +1,16 @@
-"""Converting between ComfyUI's API-format prompt and its UI (LiteGraph) workflow format.
+"""Converting between ComfyUI's API-format prompt and its UI (LiteGraph) workflow format, and laying it out.
 
 The example workflow ships in both formats: UI for people (template browser, drag and drop), API for
 tests and scripts. The UI file is generated from the API file with the server's ``/object_info`` and a
 test converts it back, so the two can never drift apart.
+
+Layout: nodes go in columns by their place in the graph (a node sits one column before its first
+consumer, so loaders sit next to what they feed) and are stacked in each column with their drawn height
+estimated from what the frontend draws (title, one row per socket, one per widget), plus room under
+output nodes for the images and text they show at run time: no node covers another, before or after a
+run. A description note (a frontend-only ``MarkdownNote``, never queued) opens the workflow, and
+:func:`thumbnail` draws the graph for the template browser, which looks for ``<name>.jpg`` next to
+``<name>.json`` and shows the file name as the template's title and description.
 """
 
 from __future__ import annotations
@@ -11,6 +19,20 @@ from typing import Any
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CONTROL_DEFAULT = "fixed"
+NOTE_TYPES = {"Note", "MarkdownNote"}  # frontend-only nodes: not in /object_info, never in a prompt
+
+# What the frontends draw (LiteGraph: title 30 px, slot rows 20 px, widgets 20 px + 4 gap; the newer
+# Vue node renderer draws larger rows, hence the margins).
+TITLE_H = 30
+SLOT_H = 24
+WIDGET_H = 32
+PAD_H = 24
+OUTPUT_PREVIEW_H = 340  # images / progress text an output node shows under its widgets at run time
+MIN_W = 320
+CHAR_W = 8
+COL_GAP = 60
+ROW_GAP = 50
+MARGIN = 40
 
 
 def _ordered_inputs(info: dict) -> list[tuple[str, Any, dict]]:
@@ -31,9 +53,26 @@ def _socket_type(kind: Any) -> str:
     return "COMBO" if isinstance(kind, list) else str(kind)
 
 
-def api_to_ui(api: dict[str, dict], object_info: dict[str, dict]) -> dict:
-    """A UI workflow with the same nodes, links and widget values as the API prompt."""
-    ids = {key: int(key) for key in api}
+def node_size(info: dict) -> list[int]:
+    """[width, height] of a node as the frontend draws it (height below the title bar), with room for
+    run-time previews under output nodes."""
+    inputs = _ordered_inputs(info)
+    widgets = [name for name, kind, options in inputs if _is_widget(kind, options)]
+    controls = sum(1 for name, kind, options in inputs if _is_widget(kind, options)
+                   and options.get("control_after_generate"))
+    sockets = len(inputs) - len(widgets)
+    rows = max(sockets, len(info.get("output", [])))
+    height = SLOT_H * rows + WIDGET_H * (len(widgets) + controls) + PAD_H
+    if info.get("output_node"):
+        height += OUTPUT_PREVIEW_H
+    labels = [*widgets, *(n for n, _, _ in inputs), *info.get("output_name", [])]
+    width = max(MIN_W, CHAR_W * (max(map(len, labels), default=0) + 18),
+                CHAR_W * (len(info.get("display_name") or "") + 6))
+    return [width, height]
+
+
+def _columns(api: dict[str, dict]) -> dict[str, int]:
+    """Each node's column: its depth from the sources, then pulled right to just before its first consumer."""
     depth: dict[str, int] = {}
 
     def node_depth(key: str) -> int:
@@ -42,7 +81,47 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict]) -> dict:
             depth[key] = 1 + max((node_depth(p) for p in parents), default=-1)
         return depth[key]
 
-    nodes, links, rows = [], [], {}
+    consumers: dict[str, list[str]] = {key: [] for key in api}
+    for key, node in api.items():
+        for value in node["inputs"].values():
+            if isinstance(value, list):
+                consumers[value[0]].append(key)
+    column: dict[str, int] = {}
+    for key in sorted(api, key=node_depth, reverse=True):  # consumers first
+        after = [column[c] for c in consumers[key]]
+        column[key] = min(after) - 1 if after else node_depth(key)
+    return column
+
+
+def _layout(api: dict[str, dict], object_info: dict[str, dict], top: int) -> dict[str, tuple[list[int], list[int]]]:
+    """key -> (pos, size): columns left to right, nodes stacked top-down in prompt order."""
+    column = _columns(api)
+    sizes = {key: node_size(object_info[node["class_type"]]) for key, node in api.items()}
+    widths: dict[int, int] = {}
+    for key, col in column.items():
+        widths[col] = max(widths.get(col, 0), sizes[key][0])
+    x_of, x = {}, MARGIN
+    for col in sorted(widths):
+        x_of[col] = x
+        x += widths[col] + COL_GAP
+    y_next: dict[int, int] = {}
+    placed = {}
+    for key in api:
+        col = column[key]
+        y = y_next.get(col, top + TITLE_H)
+        placed[key] = ([x_of[col], y], sizes[key])
+        y_next[col] = y + sizes[key][1] + ROW_GAP + TITLE_H
+    return placed
+
+
+def api_to_ui(api: dict[str, dict], object_info: dict[str, dict], note: str = "") -> dict:
+    """A UI workflow with the same nodes, links and widget values as the API prompt (plus ``note``, a
+    Markdown description shown above the graph, when given)."""
+    ids = {key: int(key) for key in api}
+    note_size = [2 * MIN_W + COL_GAP, 220]
+    top = MARGIN + (note_size[1] + TITLE_H + ROW_GAP if note else 0)
+    placed = _layout(api, object_info, top)
+    nodes, links = [], []
     outputs_links: dict[tuple[str, int], list[int]] = {}
     for key, node in api.items():
         info = object_info[node["class_type"]]
@@ -63,12 +142,10 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict]) -> dict:
                 links.append([link_id, ids[src], slot, ids[key], len(inputs), src_type])
                 outputs_links.setdefault((src, slot), []).append(link_id)
                 inputs.append({"name": name, "type": _socket_type(kind), "link": link_id})
-        col = node_depth(key)
-        row = rows.get(col, 0)
-        rows[col] = row + 1
+        pos, size = placed[key]
         nodes.append({
-            "id": ids[key], "type": node["class_type"], "pos": [40 + 360 * col, 40 + 300 * row],
-            "size": [320, 260], "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": [],
+            "id": ids[key], "type": node["class_type"], "pos": pos, "size": size, "flags": {}, "order": 0,
+            "mode": 0, "inputs": inputs, "outputs": [],
             "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": widgets,
         })
     for n, key in zip(nodes, api, strict=True):
@@ -76,11 +153,17 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict]) -> dict:
         names = info.get("output_name", info["output"])
         n["outputs"] = [{"name": names[i], "type": t, "links": outputs_links.get((key, i), []), "slot_index": i}
                         for i, t in enumerate(info["output"])]
-    order = sorted(api, key=node_depth)
+    order = sorted(api, key=lambda k: (placed[k][0][0], placed[k][0][1]))
     for n in nodes:
         n["order"] = order.index(str(n["id"]))
-    return {"last_node_id": max(ids.values()), "last_link_id": len(links), "nodes": nodes, "links": links,
-            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+    last_id = max(ids.values())
+    if note:
+        last_id += 1
+        nodes.append({"id": last_id, "type": "MarkdownNote", "pos": [MARGIN, MARGIN + TITLE_H], "size": note_size,
+                      "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
+                      "properties": {}, "widgets_values": [note]})
+    return {"last_node_id": last_id, "last_link_id": len(links), "nodes": nodes, "links": links,
+            "groups": [], "config": {}, "extra": {"pipetrainer_description": note} if note else {}, "version": 0.4}
 
 
 def ui_to_api(ui: dict, object_info: dict[str, dict]) -> dict[str, dict]:
@@ -88,6 +171,8 @@ def ui_to_api(ui: dict, object_info: dict[str, dict]) -> dict[str, dict]:
     links = {link[0]: link for link in ui["links"]}
     api: dict[str, dict] = {}
     for node in ui["nodes"]:
+        if node["type"] in NOTE_TYPES:
+            continue
         info = object_info[node["type"]]
         values = list(node.get("widgets_values", []))
         by_name = {i["name"]: i for i in node.get("inputs", [])}
@@ -103,3 +188,60 @@ def ui_to_api(ui: dict, object_info: dict[str, dict]) -> dict[str, dict]:
                     values.pop(0)
         api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
     return api
+
+
+def node_boxes(ui: dict) -> dict[int, tuple[float, float, float, float]]:
+    """node id -> (left, top, right, bottom) on the canvas, title bar included (LiteGraph draws the title
+    above ``pos``)."""
+    return {n["id"]: (n["pos"][0], n["pos"][1] - TITLE_H, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
+            for n in ui["nodes"]}
+
+
+def overlapping_nodes(ui: dict) -> list[tuple[int, int]]:
+    """Pairs of node ids whose boxes overlap."""
+    boxes = sorted(node_boxes(ui).items())
+    out = []
+    for i, (a, (al, at, ar, ab)) in enumerate(boxes):
+        for b, (bl, bt, br, bb) in boxes[i + 1:]:
+            if al < br and bl < ar and at < bb and bt < ab:
+                out.append((a, b))
+    return out
+
+
+def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 640, height: int = 400):
+    """A picture of the workflow's graph (a PIL image) for the template browser's card."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    img = Image.new("RGB", (width, height), (32, 33, 38))
+    draw = ImageDraw.Draw(img)
+    header = 48
+    draw.text((16, 12), title, fill=(235, 235, 240), font=ImageFont.load_default(size=20))
+    boxes = {i: b for i, b in node_boxes(ui).items()
+             if next(n for n in ui["nodes"] if n["id"] == i)["type"] not in NOTE_TYPES}
+    left = min(b[0] for b in boxes.values())
+    top = min(b[1] for b in boxes.values())
+    right = max(b[2] for b in boxes.values())
+    bottom = max(b[3] for b in boxes.values())
+    scale = min((width - 24) / (right - left), (height - header - 12) / (bottom - top))
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return 12 + (x - left) * scale, header + (y - top) * scale
+
+    for _, src, _, dst, _, _ in ui["links"]:
+        s, d = boxes[src], boxes[dst]
+        draw.line([at(s[2], s[1] + 40), at(d[0], d[1] + 40)], fill=(120, 160, 220), width=2)
+    font = ImageFont.load_default(size=max(10, int(40 * scale)))
+    for node in ui["nodes"]:
+        if node["type"] in NOTE_TYPES:
+            continue
+        x0, y0, x1, y1 = boxes[node["id"]]
+        ours = node["type"].startswith("PipeTrainer")
+        fill = (78, 62, 120) if ours else (58, 62, 70)
+        draw.rounded_rectangle([at(x0, y0), at(x1, y1)], radius=6, fill=fill, outline=(150, 150, 160))
+        name = (object_info.get(node["type"], {}).get("display_name") or node["type"]).replace(" (PipeTrainer)", "")
+        x, y = at(x0, y0)
+        room = (x1 - x0) * scale - 8
+        while name and font.getlength(name) > room:
+            name = name[:-2] + "…" if len(name) > 2 else ""
+        draw.text((x + 5, y + 4), name, fill=(240, 240, 245), font=font)
+    return img

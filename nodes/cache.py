@@ -8,8 +8,10 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io, ui
 
+from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.store import build_cache
 from . import preflight
+from .progress_text import show_text
 from .types import CATEGORY, Cache, Dataset
 
 
@@ -22,19 +24,25 @@ class PipeTrainerCache(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="PipeTrainerCache",
-            display_name="Cache Latents & Text",
+            display_name="Cache Latents & Text (PipeTrainer)",
             category=CATEGORY,
-            is_output_node=True,
+            # Not an output node: if Train LoRA fails validation, ComfyUI must refuse the whole queue (an
+            # output node here would still run and the job would show as a success). To cache without
+            # training, wire the report to the stock 'Preview Any' node.
             description="Encodes images/videos to latents and captions to text embeddings, keyed by content, "
-                        "preprocessing and encoder identity, so a changed file, caption, bucket or encoder can "
-                        "never reuse stale data. Reports cached / reused / re-encoded (why) / skipped (why).",
+                        "preprocessing and encoder identity (weights, dtype, clip skip, tokenizer options, "
+                        "text-encoder LoRAs), so a changed file, caption, bucket or encoder can never reuse "
+                        "stale data. Reports cached / reused / re-encoded (why) / skipped (why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
                 io.Vae.Input("vae", tooltip="The VAE of the model family you train."),
-                io.Clip.Input("clip", tooltip="The text encoder(s) of the model family you train."),
+                io.Clip.Input("clip", tooltip="The text encoder(s) of the model family you train. Clip skip "
+                              "(CLIP Set Last Layer), tokenizer options and LoRAs loaded onto it are part of "
+                              "the cache key: change one and the captions are encoded again."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -44,11 +52,13 @@ class PipeTrainerCache(io.ComfyNode):
         def progress(done: int, total: int) -> None:
             bar.update_absolute(done, total)
 
-        problems = preflight.cache_problems(dataset, vae, clip, cache_root())
+        # Refuse a text encoder the cache key cannot describe before preflight encodes with it.
+        problems = text_encoder_problems(clip) or preflight.cache_problems(dataset, vae, clip, cache_root())
         if problems:
             raise ValueError("\n".join(problems))
         result = build_cache(dataset, vae, clip, cache_root(), progress)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")
+        show_text(report, cls.hidden.unique_id if cls.hidden is not None else None)  # drawn on the node
         return io.NodeOutput(result, report, ui=ui.PreviewText(report))

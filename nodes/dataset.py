@@ -35,7 +35,7 @@ class PipeTrainerDataset(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="PipeTrainerDataset",
-            display_name="Dataset",
+            display_name="Dataset (PipeTrainer)",
             category=CATEGORY,
             inputs=[
                 io.String.Input("folder", default="pipetrainer_demo",
@@ -71,13 +71,17 @@ class PipeTrainerDataset(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, folder: str, **_settings) -> str:
         """Re-run when a file in the folder changes, not only when an input does."""
+        if not folder.strip():  # execute refuses it; do not fingerprint the whole input folder first
+            return ""
         return folder_fingerprint(resolve_folder(folder))
 
     @classmethod
-    def validate_inputs(cls, folder: str, extra_resolutions: str = "") -> bool | str:
-        """Only the free-text inputs: ComfyUI still range-checks every input not named here."""
-        if not folder.strip():
-            return "folder is empty: give a folder of captioned images."
+    def validate_inputs(cls, extra_resolutions: str | None = None) -> bool | str:
+        """Only ``extra_resolutions`` (free text): ComfyUI attaches the message to every input named here,
+        so naming one puts it on that widget, and still range-checks the others itself. An empty
+        ``folder`` is refused by execute (naming it here would ring both widgets)."""
+        if extra_resolutions is None:  # linked: no value before execution
+            return True
         try:
             parse_resolutions(64, extra_resolutions)
         except DatasetError as exc:
@@ -97,6 +101,8 @@ class PipeTrainerDataset(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str, aspect_buckets: int = 1,
                 min_ratio: float = 0.5, max_ratio: float = 2.0, extra_resolutions: str = "",
                 video_fps: float = 16.0, max_frames: int = 33) -> io.NodeOutput:
+        if not folder.strip():
+            raise ValueError("folder is empty: give a folder of captioned images.")
         try:
             settings = cls.bucket_settings(resolution, aspect_buckets, min_ratio, max_ratio, extra_resolutions,
                                            video_fps, max_frames)

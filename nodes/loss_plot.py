@@ -1,13 +1,24 @@
-"""A small loss-curve picture (raw loss and a moving average), as a PIL image or an IMAGE tensor."""
+"""A small loss-curve picture (raw loss and a moving average), as a PIL image or an IMAGE tensor.
+
+The x axis is the run's own step numbers (a resumed run starts at its checkpoint's step, as the
+progress text does), labelled at both ends.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
 
-def loss_curve(losses: list[float], width: int = 640, height: int = 320) -> Image.Image:
+def loss_curve(losses: Sequence[float], steps: Sequence[int] | None = None, width: int = 640,
+               height: int = 320) -> Image.Image:
+    """``losses[i]`` drawn at step ``steps[i]`` (default: steps 1, 2, ...)."""
+    steps = list(range(1, len(losses) + 1)) if steps is None else list(steps)
+    if len(steps) != len(losses):
+        raise ValueError(f"{len(losses)} losses but {len(steps)} steps")
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
     m = 40
@@ -17,21 +28,23 @@ def loss_curve(losses: list[float], width: int = 640, height: int = 320) -> Imag
         return img
     lo, hi = min(losses), max(losses)
     span = (hi - lo) or 1.0
-    n = len(losses)
+    first, last = steps[0], steps[-1]
 
-    def point(i: int, v: float) -> tuple[float, float]:
-        x = m + (width - m - 10) * (i / max(1, n - 1))
+    def point(step: float, v: float) -> tuple[float, float]:
+        x = m + (width - m - 10) * ((step - first) / max(1, last - first))
         y = 10 + (height - m - 10) * (1 - (v - lo) / span)
         return x, y
 
-    if n > 1:
-        d.line([point(i, v) for i, v in enumerate(losses)], fill=(150, 170, 230), width=1)
-        k = max(1, n // 20)
+    if len(losses) > 1:
+        d.line([point(s, v) for s, v in zip(steps, losses, strict=True)], fill=(150, 170, 230), width=1)
+        k = max(1, len(losses) // 20)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        d.line([point(i + k - 1, v) for i, v in enumerate(smooth)], fill=(20, 60, 200), width=2)
+        d.line([point(steps[i + k - 1], v) for i, v in enumerate(smooth)], fill=(20, 60, 200), width=2)
     d.text((4, 6), f"{hi:.3f}", fill="black")
     d.text((4, height - m - 6), f"{lo:.3f}", fill="black")
-    d.text((width // 2 - 40, height - m + 8), f"step {n}  loss {losses[-1]:.4f}", fill="black")
+    d.text((m, height - m + 4), str(first), fill="black")
+    d.text((width - 10 - 6 * len(str(last)), height - m + 4), str(last), fill="black")
+    d.text((width // 2 - 40, height - m + 18), f"step {last}  loss {losses[-1]:.4f}", fill="black")
     return img
 
 

@@ -1,4 +1,4 @@
-"""``Load Diffusion Model (train)``: the stock diffusion-model loader plus a replayable recipe."""
+"""``Load Diffusion Model (PipeTrainer)``: the stock diffusion-model loader plus a replayable recipe."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class PipeTrainerLoadDiffusionModel(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="PipeTrainerLoadDiffusionModel",
-            display_name="Load Diffusion Model (train)",
+            display_name="Load Diffusion Model (PipeTrainer)",
             category=CATEGORY,
             description="Loads a diffusion model exactly like the stock loader and remembers how, so the "
                         "training process can load the same weights the same way.",

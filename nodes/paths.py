@@ -1,4 +1,5 @@
-"""Where a run writes: the LoRA in ComfyUI's loras folder, the run dir under the output folder.
+"""Where a run writes: the LoRA in ComfyUI's loras folder (each save of each run in a subfolder of it),
+the run dir under the output folder.
 
 LoRA names are plain file stems: nothing may be written outside those folders.
 """
@@ -14,6 +15,7 @@ import folder_paths
 
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)), *(f"lpt{i}" for i in range(1, 10))}
 _ALLOWED = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._+-]*$")
+STEP_LORAS_FOLDER = "pipetrainer"  # the subfolder of models/loras with each run's saves
 
 
 def lora_name_problems(name: str) -> list[str]:
@@ -40,6 +42,12 @@ def loras_dir() -> str:
 
 def lora_output_path(name: str) -> str:
     return os.path.join(loras_dir(), lora_stem(name) + ".safetensors")
+
+
+def step_loras_dir(name: str) -> str:
+    """``<loras>/pipetrainer/<name>/``: every save of every run of this LoRA, named by run and step, where
+    the stock LoraLoader lists them (as ``pipetrainer/<name>/<file>``) beside the final file."""
+    return os.path.join(loras_dir(), STEP_LORAS_FOLDER, lora_stem(name))
 
 
 def runs_root() -> str:

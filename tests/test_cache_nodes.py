@@ -21,6 +21,8 @@ def _prompt(folder: str, **dataset) -> dict:
         "4": {"class_type": "PipeTrainerDataset",
               "inputs": {"folder": folder, "resolution": 64, "repeats": 1, "missing_caption": "error", **dataset}},
         "5": {"class_type": "PipeTrainerCache", "inputs": {"dataset": ["4", 0], "vae": ["3", 0], "clip": ["2", 0]}},
+        # The Cache node is not an output node: caching alone runs through a stock output node.
+        "6": {"class_type": "PreviewAny", "inputs": {"source": ["5", 1]}},
     }
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import psutil
 from PIL import Image
 from pipetrainer.devkit.host import history_error, output_images
+from pipetrainer.tests.ui_client import NodeTexts
 from pipetrainer.training.events import read_all
 from safetensors.torch import load_file
 
@@ -29,7 +30,8 @@ def _with_stock_consumers(prompt: dict, prefix: str) -> dict:
     """Feed the Train node's LOSS_MAP and LORA_MODEL outputs to the stock LossGraphNode / LoraModelLoader."""
     prompt["15"] = {"class_type": "LossGraphNode", "inputs": {"loss": [TRAIN_NODE, 3], "filename_prefix": prefix}}
     prompt["16"] = {"class_type": "LoraModelLoader",
-                    "inputs": {"model": ["1", 0], "lora": [TRAIN_NODE, 2], "strength_model": 1.0}}
+                    "inputs": {"model": ["1", 0], "lora": [TRAIN_NODE, 2], "strength_model": 1.0,
+                                           "bypass": False}}  # required on current ComfyUI, ignored by 0.3.75
     prompt["17"] = {"class_type": "KSampler", "inputs": {**prompt["12"]["inputs"], "model": ["16", 0]}}
     prompt["18"] = {"class_type": "VAEDecode", "inputs": {"samples": ["17", 0], "vae": ["3", 0]}}
     prompt["19"] = {"class_type": "SaveImage", "inputs": {"images": ["18", 0], "filename_prefix": prefix + "_lmm"}}
@@ -51,11 +53,21 @@ def _run_dirs(comfy_root: Path, lora_name: str) -> list[Path]:
 
 
 def _processes_of(run_dir: Path) -> list[psutil.Process]:
-    found = []
+    """Live processes of the run: named by their command line, or by the pids its events record (a
+    pre-started supervisor and rank, nodes/warm_pool.py, were started before the run dir existed)."""
+    found = {}
     for p in psutil.process_iter(["cmdline"]):
         if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
-            found.append(p)
-    return found
+            found[p.pid] = p
+    for event in read_all(run_dir) if run_dir.exists() else []:
+        if event["type"] in ("launch", "warm_start"):
+            try:
+                process = psutil.Process(event["pid"])
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    found[process.pid] = process
+            except psutil.NoSuchProcess:
+                pass
+    return list(found.values())
 
 
 def _pixels(path: Path) -> np.ndarray:
@@ -89,9 +101,13 @@ def test_workflow_trains_saves_and_samples_with_the_lora(server, comfy_root):
     assert np.abs(_pixels(stock_image) - _pixels(base_image)).max() > 0
 
 
-def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_root):
+def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_root, request):
     name = f"cancel_{uuid.uuid4().hex[:6]}"
-    prompt_id = server.queue(_workflow(name, steps=100_000))
+    texts = NodeTexts(server).start()  # what the frontend draws on the Train node
+    request.addfinalizer(texts.stop)
+    first = _workflow(name, steps=100_000)
+    first[TRAIN_NODE]["inputs"]["resume"] = True
+    prompt_id = server.queue(first)
     deadline = time.monotonic() + 300
     run_dir = None
     while time.monotonic() < deadline:
@@ -118,9 +134,10 @@ def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_roo
     assert load_file(saved[-1]["path"])
     assert not (comfy_root / "models" / "loras" / f"{name}.safetensors").exists()
     assert not (run_dir / ".rendezvous").exists()
+    stopped_at = stopped[-1]["step"]
+    assert texts.of(TRAIN_NODE)[-1] == f"stopped at step {stopped_at}; checkpoint kept; queue again to resume"
 
     # Queue the same LoRA again: it resumes from the cancelled run's checkpoint and finishes.
-    stopped_at = stopped[-1]["step"]
     again = _workflow(name, steps=stopped_at + 3)
     again[TRAIN_NODE]["inputs"]["resume"] = True
     entry = server.wait(server.queue(again), timeout=600)
@@ -130,3 +147,8 @@ def test_cancel_stops_the_run_and_keeps_a_resumable_checkpoint(server, comfy_roo
     assert [e["resumed_step"] for e in events if e["type"] == "setup"] == [stopped_at]
     assert [e["step"] for e in events if e["type"] == "step"] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
     assert (comfy_root / "models" / "loras" / f"{name}.safetensors").exists()
+    shown = texts.of(TRAIN_NODE)
+    assert f"resumed from step {stopped_at}; step {stopped_at}/{stopped_at + 3}: first step (warming up)" in shown
+    assert any(t.startswith(f"step {stopped_at + 1}/{stopped_at + 3} ") and t.endswith(
+        f"(resumed from step {stopped_at})") for t in shown), shown
+    assert shown[-1].startswith(f"done: step {stopped_at + 3}/{stopped_at + 3}")
