@@ -4,54 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 
 import comfy.model_management
 import comfy.sd
 import comfy.utils
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 from safetensors.torch import load_file
 
-from ..training.events import read_all
-from ..training.pipelines.base import UnknownFamilyError, family_name_for
-from ..training.spec import PARTITION_METHODS, TIMESTEP_SAMPLING, TRAIN_DTYPES, RunSpec, SpecError, TrainSpec
-from . import paths, preflight, run_process
+from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
+from ..training.pipelines.options import options_from_inputs, parse_family_options
+from ..training.spec import PARTITION_METHODS, TRAIN_DTYPES, RunSpec, SpecError, TimestepSpec, TrainSpec
+from . import checkpoints, graph_patches, paths, preflight, run_messages, run_process
+from .launch import launch_settings, resolve_gpus
 from .loss_plot import as_image_tensor, loss_curve
 from .model_source import recipe_of
+from .progress_text import show_text
 from .stacked_loras import write_stacked_loras
-from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig
+from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig
+from .warm_pool import WarmPool
 
 PREVIEW_EVERY_S = 2.0
-
-
-def _progress_text(event: dict) -> str:
-    eta = event.get("eta_s")
-    eta_txt = f"{eta:.0f} s" if isinstance(eta, (int, float)) else "?"
-    return (f"step {event['step']}/{event['total']}  loss {event['loss']:.4f}  "
-            f"{event.get('it_s', 0):.2f} it/s  ETA {eta_txt}")
-
-
-def _find_resume_checkpoint(name: str, training_hash: str) -> str:
-    """The newest checkpoint of an earlier run of this LoRA with the same training settings."""
-    root = paths.runs_root()
-    if not os.path.isdir(root):
-        return ""
-    stem = paths.lora_stem(name)
-    candidates = sorted((d for d in os.listdir(root) if d.startswith(stem + "-")), reverse=True)
-    for d in candidates:
-        run_dir = os.path.join(root, d)
-        try:
-            earlier = RunSpec.load(os.path.join(run_dir, "spec.json"))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if earlier.training_hash() != training_hash:
-            continue
-        saved = [e for e in read_all(run_dir) if e.get("type") == "saved"]
-        for event in reversed(saved):
-            if os.path.isdir(event["checkpoint"]):
-                return event["checkpoint"]
-    return ""
+# This ComfyUI process's pre-started training tree for the next run (state, not configuration).
+WARM_POOL = WarmPool()
 
 
 class PipeTrainerTrain(io.ComfyNode):
@@ -59,12 +36,12 @@ class PipeTrainerTrain(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="PipeTrainerTrain",
-            display_name="Train LoRA",
+            display_name="Train LoRA (PipeTrainer)",
             category=CATEGORY,
             is_output_node=True,
             description="Trains a LoRA in a separate process (DeepSpeed pipeline) and returns the model with it applied.",
             inputs=[
-                io.Model.Input("model", tooltip="From 'Load Diffusion Model (train)' (LoRAs stacked on it are merged first)."),
+                io.Model.Input("model", tooltip="From 'Load Diffusion Model (PipeTrainer)' (LoRAs stacked on it are merged first)."),
                 Cache.Input("cache", tooltip="From 'Cache Latents & Text'."),
                 LoraConfig.Input("lora", tooltip="From 'LoRA Adapter'."),
                 OptimizerConfig.Input("optimizer", tooltip="From 'Optimizer'."),
@@ -74,15 +51,17 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("batch_size", default=1, min=1, max=256, tooltip="Examples per micro-batch."),
                 io.Int.Input("gradient_accumulation", default=1, min=1, max=1024,
                              tooltip="Micro-batches per optimizer step (also the pipeline's micro-batches)."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
-                             tooltip="Seed for LoRA init, data order, noise and timesteps: same seed, same run."),
-                io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLING), default="shift",
-                               tooltip="uniform; logit_normal (mid timesteps favoured); shift (the model's own "
-                                       "sampling shift, as used at inference)."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
+                             tooltip="Seed for LoRA init, data order, noise and timesteps: same seed, same run. "
+                                     "It stays as set after each queue (a new seed is a new run: resume "
+                                     "continues only the same settings)."),
                 io.Int.Input("save_every", default=0, min=0, max=1_000_000,
                              tooltip="Also save a LoRA and a checkpoint every N steps into the run dir (0: only at the end)."),
-                io.Combo.Input("training_dtype", options=list(TRAIN_DTYPES), default="bf16",
-                               tooltip="Compute dtype of the frozen base model; the LoRA always trains in fp32."),
+                io.Combo.Input("training_dtype", options=list(TRAIN_DTYPES), default=TrainSpec().dtype,
+                               tooltip="Compute dtype of the frozen base model (fp8 weights are cast to it); the "
+                                       "LoRA always trains in fp32. fp16 is not offered: it needs loss scaling. "
+                                       "This wins over ComfyUI's precision flags (--force-fp32, --bf16-unet, ...): "
+                                       "the run log notes each flag it set aside."),
                 io.Boolean.Input("gradient_checkpointing", default=True,
                                  tooltip="Recompute activations in backward: much less memory, ~30% slower."),
                 io.Int.Input("pipeline_stages", default=1, min=1, max=64,
@@ -90,6 +69,11 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("data_parallel", default=1, min=1, max=64, optional=True,
                              tooltip="Copies of the whole pipeline that split each batch (data parallel); "
                                      "ranks = pipeline_stages x data_parallel."),
+                io.String.Input("gpus", default="", optional=True,
+                                tooltip="GPUs for the ranks, one per rank in rank order, e.g. '0,1,2,3' (ComfyUI's "
+                                        "GPU numbers, counted after --cuda-device / CUDA_VISIBLE_DEVICES). Empty: "
+                                        "ComfyUI's first pipeline_stages x data_parallel GPUs. Leave it empty when "
+                                        "ComfyUI runs on the CPU."),
                 io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
                              tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
                                      "recompute boundaries, more memory)."),
@@ -100,8 +84,25 @@ class PipeTrainerTrain(io.ComfyNode):
                                      "On CPU it is accepted and changes nothing."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
                                tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts."),
+                TimestepConfig.Input("timesteps", optional=True,
+                                     tooltip="From 'Timestep Sampling (PipeTrainer)'. Unconnected: uniform through the "
+                                             "model's own sampling (its shift, or a ModelSampling* node's before this "
+                                             "one): the noise levels its sampler visits."),
+                io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
+                               tooltip="Guidance-distilled models (FLUX.1-dev): the guidance the model sees while "
+                                       "training. 1.0 is what the other trainers use for dev LoRAs: the LoRA learns "
+                                       "the content, not a guidance level, and samples well at 3.5. Families "
+                                       "without a guidance input do not use it."),
                 io.Boolean.Input("resume", default=True,
-                                 tooltip="Continue from the newest checkpoint of an earlier run of this LoRA with the same settings."),
+                                 tooltip="Continue an earlier run: from the checkpoint chosen in resume_from (by "
+                                         "default the newest of this LoRA with the same settings). Off: start fresh."),
+                io.Combo.Input("resume_from", options=checkpoints.checkpoint_choices(paths.runs_root()),
+                               default=checkpoints.NEWEST, optional=True,
+                               tooltip="With resume on: 'newest' continues the newest checkpoint of this LoRA with "
+                                       "the same settings; or pick a checkpoint (run folder / step; press R to "
+                                       "reload the list). A changed LR, schedule, seed, batch or dataset goes on "
+                                       "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
+                                       "split is refused with the reason."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA applied."),
@@ -114,8 +115,15 @@ class PipeTrainerTrain(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, lora_name: str = "", **_) -> bool | str:
-        problems = paths.lora_name_problems(lora_name) if isinstance(lora_name, str) else []
+    def validate_inputs(cls, lora_name: str | None = None) -> bool | str:
+        """Only ``lora_name``: ComfyUI attaches the message to each input named here (so it lands on that
+        widget) and still range-checks every other input itself. A linked lora_name has no value yet
+        (None): execute checks it."""
+        if lora_name is None:
+            return True
+        if not isinstance(lora_name, str):
+            return "lora_name must be text."
+        problems = paths.lora_name_problems(lora_name)
         return "\n".join(problems) if problems else True
 
     @classmethod
@@ -124,15 +132,25 @@ class PipeTrainerTrain(io.ComfyNode):
         problems = paths.lora_name_problems(lora_name)
         recipe = recipe_of(model)
         if recipe is None:
-            problems.append("The MODEL was not loaded by 'Load Diffusion Model (train)': use that node so the "
+            problems.append("The MODEL was not loaded by 'Load Diffusion Model (PipeTrainer)': use that node so the "
                             "training process can load the same weights.")
+        family_options: dict = {}
         try:
-            family_name_for(model.model)
+            family = family_name_for(model.model)
         except UnknownFamilyError as exc:
             problems.append(str(exc))
+        else:
+            options_type = adapter_for(family).options_type
+            family_options = options_from_inputs(options_type, settings)
+            problems += parse_family_options(family, options_type, family_options)[1]
+        problems += graph_patches.patch_problems(model)
+        sampling, sampling_problems = graph_patches.sampling_override(model)
+        problems += sampling_problems
+        if recipe is not None:
+            recipe = dataclasses.replace(recipe, sampling=sampling)
         train = TrainSpec(
             steps=settings["steps"], batch_size=settings["batch_size"], grad_accum=settings["gradient_accumulation"],
-            seed=settings["seed"], timestep_sampling=settings["timestep_sampling"], save_every=settings["save_every"],
+            seed=settings["seed"], timesteps=settings.get("timesteps") or TimestepSpec(), save_every=settings["save_every"],
             dtype=settings["training_dtype"], gradient_checkpointing=settings["gradient_checkpointing"],
             pipeline_stages=settings["pipeline_stages"], partition_method=settings["partition_method"],
             data_parallel=settings.get("data_parallel", 1), checkpoint_interval=settings.get("checkpoint_interval", 1),
@@ -144,74 +162,89 @@ class PipeTrainerTrain(io.ComfyNode):
         if device == "cpu" and ranks > 2 * (os.cpu_count() or 1):
             problems.append(f"pipeline_stages x data_parallel = {ranks} ranks is more than this machine can run on "
                             "CPU. Lower them, or export the run (run dir 'cluster/') to a bigger machine.")
-        if device == "cuda":
-            import torch
-
-            if ranks > torch.cuda.device_count():
-                problems.append(f"pipeline_stages x data_parallel = {ranks} ranks needs that many GPUs; "
-                                f"{torch.cuda.device_count()} visible. Lower pipeline_stages or data_parallel.")
-        problems += preflight.train_problems(model, cache, lora, train, paths.runs_root())
+        gpus_text = settings.get("gpus") or ""  # GPU count and indices are checked in preflight
+        problems += preflight.train_problems(model, cache, lora, train, paths.runs_root(), gpus=gpus_text)
         if problems:
             raise SpecError(problems)
         spec = RunSpec(
             model=recipe, items=cache.items, lora=lora, optimizer=optimizer, train=train,
             run_dir="/pending", lora_output=paths.lora_output_path(lora_name),
+            step_loras_dir=paths.step_loras_dir(lora_name),
             comfyui_path=os.path.dirname(os.path.abspath(folder_paths.__file__)), device=device,
-            parent_pid=os.getpid(),
+            parent_pid=os.getpid(), family_options=family_options,
+            launch=launch_settings(resolve_gpus(gpus_text, ranks, device)[0]),  # how ComfyUI was launched
         )
         spec.validated()
         return spec
 
     @classmethod
     def execute(cls, model, cache, lora, optimizer, lora_name: str, **settings) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        show_text(run_messages.CHECKING, node_id)  # replaces the previous run's text at once
         resume = settings.pop("resume")
-        spec = cls.build_spec(model, cache, lora, optimizer, lora_name, **settings)
+        resume_choice = settings.pop("resume_from", None) or checkpoints.NEWEST
+        try:
+            spec = cls.build_spec(model, cache, lora, optimizer, lora_name, **settings)
+        except SpecError as exc:
+            show_text(f"not started: {len(exc.problems)} problem(s), see the error", node_id)
+            raise
         run_dir = paths.new_run_dir(lora_name)
         spec = dataclasses.replace(spec, model=write_stacked_loras(model, spec.model, run_dir), run_dir=run_dir)
-        resume_from = _find_resume_checkpoint(lora_name, spec.training_hash()) if resume else ""
-        spec = dataclasses.replace(spec, resume_from=resume_from).validated()
+        try:
+            resume_from = checkpoints.resume_source(resume, resume_choice, lora_name, spec, paths.runs_root())
+            spec = dataclasses.replace(spec, resume_from=resume_from).validated()
+            warning = checkpoints.resume_warning(spec)  # a checkpoint of other weights is refused here
+        except SpecError:
+            show_text("not started: the checkpoint cannot be continued, see the error", node_id)
+            shutil.rmtree(run_dir, ignore_errors=True)  # only what this call just wrote
+            raise
+        if warning:
+            show_text(f"warning: {warning}", node_id)
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
 
-        losses: list[float] = []
+        view = run_messages.RunView(spec.train.steps)
         bar = comfy.utils.ProgressBar(spec.train.steps)
-        node_id = cls.hidden.unique_id if cls.hidden is not None else None
         last_preview = [0.0]
 
         def on_event(event: dict) -> None:
-            if event.get("type") != "step":
-                return
-            losses.append(float(event["loss"]))
-            preview = None
-            now = time.monotonic()
-            if now - last_preview[0] >= PREVIEW_EVERY_S or event["step"] == event["total"]:
-                preview = ("PNG", loss_curve(losses), 640)
-                last_preview[0] = now
-            bar.update_absolute(event["step"], event["total"], preview)
-            _send_text(_progress_text(event), node_id)
+            text = view.on_event(event)
+            if event.get("type") == "phase" and event.get("phase") == "first_step":
+                bar.update_absolute(view.resumed_from, spec.train.steps)
+            elif event.get("type") == "step":
+                preview = None
+                now = time.monotonic()
+                if now - last_preview[0] >= PREVIEW_EVERY_S or event["step"] == event["total"]:
+                    preview = ("PNG", loss_curve(view.losses, view.steps), 640)
+                    last_preview[0] = now
+                bar.update_absolute(event["step"], event["total"], preview)
+            if text:
+                show_text(text, node_id)
 
-        handle = run_process.launch(spec)
-        code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted)
+        show_text(run_messages.LAUNCHING, node_id)
+        handle = run_process.launch(spec, WARM_POOL)
+        try:
+            code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted)
+        except comfy.model_management.InterruptProcessingException:
+            show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
+            raise
+        finally:  # the next run's processes do their imports now, while this result is looked at
+            WARM_POOL.refill(run_process.warm_key(spec), os.path.join(paths.runs_root(), ".warm"))
         if code == run_process.EXIT_STOPPED or comfy.model_management.processing_interrupted():
+            stopped = run_messages.stopped_text(handle.events, resume)
+            show_text(stopped, node_id)
             comfy.model_management.throw_exception_if_processing_interrupted()
-            raise run_process.TrainingFailed(
-                f"Training stopped before the last step (run dir {spec.run_dir}); the checkpoint there resumes it.")
+            raise run_process.TrainingFailed(f"Training {stopped} (run folder {spec.run_dir}).")
         if code != run_process.EXIT_OK or not os.path.exists(spec.lora_output):
+            show_text(f"failed: see the error (run folder {spec.run_dir})", node_id)
             raise run_process.TrainingFailed(run_process.failure_message(handle))
 
         lora_sd = load_file(spec.lora_output)
         trained, _ = comfy.sd.load_lora_for_models(model, None, lora_sd, 1.0, 0)
-        curve = as_image_tensor(loss_curve(losses))
+        curve = as_image_tensor(loss_curve(view.losses, view.steps))
         name = os.path.basename(spec.lora_output)
-        return io.NodeOutput(trained, name, lora_sd, {"loss": losses}, curve)
-
-
-def _send_text(text: str, node_id: str | None) -> None:
-    if node_id is None:
-        return
-    try:
-        from server import PromptServer
-
-        PromptServer.instance.send_progress_text(text, node_id)
-    except (ImportError, AttributeError):  # not running inside the ComfyUI server
-        pass
+        done = run_messages.done_text(spec.lora_output, spec.run_dir, view)
+        if warning:
+            done += f"\nwarning: {warning}"
+        show_text(done, node_id)
+        return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve, ui=ui.PreviewText(done))

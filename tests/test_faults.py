@@ -119,7 +119,7 @@ def test_sigkill_of_a_rank_fails_the_node_fast_with_the_log_tail(tiny_model, dem
 
     watcher = threading.Thread(target=kill_rank_after_a_save, daemon=True)
     watcher.start()
-    settings = dict(steps=400, batch_size=1, gradient_accumulation=2, seed=0, timestep_sampling="uniform",
+    settings = dict(steps=400, batch_size=1, gradient_accumulation=2, seed=0,
                     save_every=2, training_dtype="fp32", gradient_checkpointing=False, pipeline_stages=2,
                     partition_method="parameters", resume=False)
     try:

@@ -21,14 +21,14 @@ from pipetrainer.training.dataset import DatasetError, scan_dataset
 from pipetrainer.training.spec import CacheItem, LoraSpec, OptimizerSpec, RunSpec, SpecError, TrainSpec
 from safetensors.torch import save_file
 
-GOOD_SETTINGS = dict(steps=10, batch_size=1, gradient_accumulation=1, seed=0, timestep_sampling="shift",
+GOOD_SETTINGS = dict(steps=10, batch_size=1, gradient_accumulation=1, seed=0,
                      save_every=0, training_dtype="fp32", gradient_checkpointing=True, pipeline_stages=1,
                      partition_method="parameters")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(fixture_paths):
-    """The tiny SD3-family MMDiT as the user gets it: through 'Load Diffusion Model (train)'."""
+    """The tiny SD3-family MMDiT as the user gets it: through 'Load Diffusion Model (PipeTrainer)'."""
     from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
 
     return PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, "default").result[0]
@@ -262,7 +262,7 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
                                                               "16 px for an 8x VAE")),
     ("resolution too small", _too_small, ("4x4 are too small", "Raise the resolution")),
     ("unsupported model family", _unsupported_family, ("cannot train BaseModel", "Supported model families: Flux, SD3")),
-    ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (train)'",)),
+    ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (PipeTrainer)'",)),
     ("model file changed after loading", _model_file_changed, ("changed on disk after the graph loaded it",
                                                               "queue again")),
     ("LoRA name with a folder", _lora_name("sub/my_lora"), ("must be a plain file name",)),
@@ -286,10 +286,6 @@ def test_bad_input_is_refused_with_what_to_do(kind, produce, fragments, setup, r
     message = produce(setup, **extra)
     for fragment in fragments:
         assert fragment in message, f"{kind}: {fragment!r} not in:\n{message}"
-
-
-def test_the_table_covers_at_least_fifteen_kinds():
-    assert len({kind for kind, _, _ in BAD_INPUTS}) >= 15
 
 
 def test_a_good_setup_passes(setup):
@@ -412,13 +408,6 @@ def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, c
     assert "broken.jpg" in error and "dropped while caching" in error, error
     assert "4x4 are too small" in error and "Raise the resolution" in error, error
     assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{lora_name}-*"))  # nothing launched
-
-
-def test_every_family_implements_the_whole_contract_so_no_check_is_skipped():
-    from pipetrainer.training.pipelines.base import FamilyAdapter, adapter_for, known_families
-
-    for family in known_families():
-        assert isinstance(adapter_for(family), FamilyAdapter), family
 
 
 def test_preflight_stays_fast_on_a_large_cache(setup):

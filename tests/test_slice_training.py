@@ -6,14 +6,14 @@ import statistics
 
 import torch
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+from pipetrainer.training.spec import LoraSpec, OptimizerSpec, TimestepSpec
 from safetensors.torch import load_file
 
 
 def test_overfitting_one_image_lowers_the_loss(fixture_paths, comfy_root, demo_cache, tmp_path):
     one = demo_cache.items[:1] * 4
     spec = make_spec(fixture_paths.mmdit, one, tmp_path / "run", comfy_root, steps=60, seed=7,
-                     optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.0), timestep_sampling="uniform",
+                     optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.0), timesteps=TimestepSpec(shift="none"),
                      lora=LoraSpec(rank=16, alpha=16.0, targets="all_linear"))
     code, events = run_training(spec)
     assert code == 0, events
@@ -60,7 +60,7 @@ def test_comfy_lora_loader_reproduces_the_trainer_forward(fixture_paths, demo_ca
     import comfy.sd
     from pipetrainer.training.data import load_examples
     from pipetrainer.training.loss import noisy_input_and_target
-    from pipetrainer.training.pipelines.base import adapter_for
+    from pipetrainer.training.pipelines.base import Batch, adapter_for
 
     trainer_model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
     comfy_model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
@@ -70,7 +70,7 @@ def test_comfy_lora_loader_reproduces_the_trainer_forward(fixture_paths, demo_ca
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.5])
     noisy, timestep, _ = noisy_input_and_target(base.model_sampling, x0, noise, sigma)
-    inputs = adapter_for("SD3").first_stage_inputs(noisy, timestep, example.cond[None], example.pooled[None])
+    inputs = adapter_for("SD3").first_stage_inputs(Batch(noisy, timestep, example.cond[None], example.pooled[None]))
     trained_out, lora_sd = _trainer_forward_and_lora(trainer_model, inputs, seed=5)
 
     key_map = comfy.lora.model_lora_keys_unet(comfy_model.model, {})

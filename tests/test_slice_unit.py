@@ -9,7 +9,16 @@ import torch
 from pipetrainer.training.dataset import DatasetError, scan_dataset
 from pipetrainer.training.lora_file import atomic_save, comfy_key_for, lora_state_dict
 from pipetrainer.training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for, known_families
-from pipetrainer.training.spec import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, SpecError, TrainSpec
+from pipetrainer.training.spec import (
+    CacheItem,
+    LoraSpec,
+    ModelRecipe,
+    OptimizerSpec,
+    RunSpec,
+    SpecError,
+    TimestepSpec,
+    TrainSpec,
+)
 
 LAYER_PATHS = {2: {"block": "joint_blocks.0"}, 1: {"x_embedder": "x_embedder"}, 6: {"final_layer": "final_layer"}}
 
@@ -70,13 +79,13 @@ def test_training_hash_ignores_steps_and_paths_but_not_settings():
 
 def test_spec_reports_every_problem_at_once():
     bad = _spec(items=(), lora=LoraSpec(rank=0, alpha=-1, targets="nope"),
-                optimizer=OptimizerSpec(name="SGD", lr=0), train=TrainSpec(steps=0, timestep_sampling="cosmic"),
+                optimizer=OptimizerSpec(name="SGD", lr=0), train=TrainSpec(steps=0, timesteps=TimestepSpec(distribution="cosmic")),
                 run_dir="relative/dir")
     with pytest.raises(SpecError) as err:
         bad.validated()
     text = str(err.value)
     for fragment in ("no items", "rank must be at least 1", "alpha must be positive", "target preset 'nope'",
-                     "Optimizer 'SGD'", "Learning rate", "Steps must be at least 1", "Timestep sampling 'cosmic'",
+                     "Optimizer 'SGD'", "Learning rate", "Steps must be at least 1", "Timestep distribution 'cosmic'",
                      "run_dir must be an absolute path"):
         assert fragment in text, fragment
     assert len(err.value.problems) >= 9
