@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _pack import import_pack
+from gpu_smoke import model_file, train_step
 
 BACKENDS = ("pytorch", "flash")
 EXPECTED_FUNCTION = {"pytorch": "attention_pytorch", "flash": "attention_flash"}
@@ -120,14 +121,7 @@ def train_child(backend: str, comfyui: Path, model_path: Path, device_name: str,
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        for layer in layers:
-            out = checkpoint(layer, out)
-        loss = torch.nn.functional.mse_loss(out.float(), target.float())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        result.losses.append(loss.item())  # also synchronises the device
+        result.losses.append(train_step(layers, inputs, target, optimizer, checkpoint))
         result.step_s.append(time.perf_counter() - t0)
     if cuda:
         result.peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
@@ -177,20 +171,6 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _model_file(kind: str, given: Path | None, comfyui: Path) -> Path:
-    from pipetrainer.devkit import fixtures
-
-    if given is not None:
-        return given
-    name, build = {"mmdit": (fixtures.MMDIT_FILE, fixtures.build_tiny_mmdit),
-                   "flux": (fixtures.FLUX_FILE, fixtures.build_min_flux)}[kind]
-    path = comfyui / "models" / "diffusion_models" / name
-    if not path.exists():
-        print(f"building {path} ...", flush=True)
-        build(path)
-    return path
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of the harness, SDPA only)")
@@ -228,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipetrainer.devkit.host import ensure_host
 
     comfyui = args.comfyui or ensure_host()
-    model_path = _model_file(args.model, getattr(args, args.model), comfyui)
+    model_path = model_file(args.model, getattr(args, args.model), comfyui)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
     print(f"device: {name}, torch {torch.__version__}, {args.model} at {args.resolution} px, {args.steps} steps, "
           f"lr {args.lr}, bf16 base + fp32 LoRA", flush=True)

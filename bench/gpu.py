@@ -284,25 +284,13 @@ def prepare(source, path: Path | None, precision: str, settings: Settings, devic
                   swappable=sum(1 for layer in layers if is_swappable(layer)))
 
 
-def train_step(layers, inputs, target, optimizer, checkpoint) -> float:
-    import torch
-
-    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-    for layer in layers:
-        out = checkpoint(layer, out)
-    loss = torch.nn.functional.mse_loss(out.float(), target.float())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()  # also synchronises the device
-
-
 def run_case(bundle: Bundle, case: Case, settings: Settings, device) -> Result:
     """Place the stage for the case, attach its swapper, train warm-up + timed steps; leave the stage
     on the device (the swapper detached) for the next case."""
     import torch
     import torch.utils.checkpoint
     from _copy_back_swap import CopyBackSwapper
+    from gpu_smoke import train_step
     from pipetrainer.training.lora_inject import named_lora_parameters
     from pipetrainer.training.offload.block_swap import BlockSwapper
     from pipetrainer.training.offload.placement import last_swappable, move_trainable, place_stage

@@ -83,6 +83,20 @@ def fixed_batch(model, adapter, device, seed: int = 0, latent: int = 8, tokens: 
     return tuple(t.to(device) for t in inputs), (noise - x0).to(device)
 
 
+def train_step(layers, inputs, target, optimizer, checkpoint) -> float:
+    """One optimizer step through the stage layers, as a 1-stage pipeline runs it; returns the loss."""
+    import torch
+
+    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+    for layer in layers:
+        out = checkpoint(layer, out)
+    loss = torch.nn.functional.mse_loss(out.float(), target.float())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()  # also synchronises the device
+
+
 def run_case(case: Case, model_path: Path, device, steps: int, lr: float | None = None) -> Result:
     """Train one case for ``steps`` steps; the result holds losses and timings, or the error."""
     import torch
@@ -114,14 +128,7 @@ def run_case(case: Case, model_path: Path, device, steps: int, lr: float | None 
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(steps):
             t0 = time.perf_counter()
-            out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-            for layer in layers:
-                out = checkpoint(layer, out)
-            loss = torch.nn.functional.mse_loss(out.float(), target.float())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = loss.item()  # also synchronises the device
+            value = train_step(layers, inputs, target, optimizer, checkpoint)
             result.step_s.append(time.perf_counter() - t0)
             result.losses.append(value)
         if cuda:
