@@ -4,7 +4,7 @@ For a CUDA machine with flash-attn installed. ComfyUI binds its attention functi
 is imported, so each backend trains in its own fresh process, chosen the way the training process
 chooses it: the launch settings (``--use-pytorch-cross-attention`` / ``--use-flash-attention``) through
 ``training.launch_settings.plan_rank_args`` and ``training.comfy_env.use_comfyui``, plus the flash op's
-backward (``training.flash_backward``). Each child replays the model like a rank
+backward (``patches.comfy_flash_backward``). Each child replays the model like a rank
 (``training.model_source.load_model``, bf16), builds the family's stage layers with the trainer's LoRA
 injection, and trains a fixed batch with the same seed under torch's non-reentrant activation
 checkpoint. The table shows s/step (median after the first step), peak GPU memory and the loss curve;
@@ -95,7 +95,7 @@ def train_child(backend: str, comfyui: Path, model_path: Path, device_name: str,
         print(f"note: {note}", flush=True)
     use_comfyui(comfyui, device.type, plan.comfy_args)
     if plan.attention == "flash":
-        from pipetrainer.training.flash_backward import enable_flash_attention_backward
+        from pipetrainer.patches.comfy_flash_backward import enable_flash_attention_backward
 
         enable_flash_attention_backward()
     from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora

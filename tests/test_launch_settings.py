@@ -317,7 +317,7 @@ FLASH_BACKWARD_PROBE = '''
         result["before"] = "ok"
     except RuntimeError as exc:
         result["before"] = str(exc)
-    from pipetrainer.training.flash_backward import enable_flash_attention_backward
+    from pipetrainer.patches.comfy_flash_backward import enable_flash_attention_backward
     result["registered"] = enable_flash_attention_backward()
     out = attention.optimized_attention(q, k, v, heads=4)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -341,7 +341,7 @@ def test_comfyuis_flash_op_trains_with_the_registered_backward(comfy_root, tmp_p
 
 
 def test_recompute_backward_matches_autograd_on_a_custom_op():
-    from pipetrainer.training.flash_backward import register_recompute_backward
+    from pipetrainer.patches.comfy_flash_backward import register_recompute_backward
 
     def attend(q, k, v, dropout_p: float = 0.0, causal: bool = False):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)

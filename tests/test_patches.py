@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import sys
 
+import pytest
 from pipetrainer.patches import deepspeed_shm
 
 
@@ -72,3 +73,18 @@ def test_a_deepspeed_without_build_shm_op_is_left_alone_and_the_log_says_why(tmp
     assert not hasattr(changed, "build_shm_op")
     said = capsys.readouterr().out
     assert "NOT applied" in said and "build_shm_op is gone" in said
+
+
+def test_the_stage_engine_targets_exist_in_this_deepspeed_and_a_missing_one_is_refused():
+    """patches/deepspeed_stage_engine.py overrides PipelineEngine._broadcast_model and passes
+    dont_change_device: this fails as soon as the installed DeepSpeed drops either."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from pipetrainer.patches.deepspeed_stage_engine import UnsupportedDeepSpeed, check_supported
+
+    check_supported()
+
+    class WithoutBroadcast(PipelineEngine):
+        _broadcast_model = None
+
+    with pytest.raises(UnsupportedDeepSpeed, match=r"_broadcast_model is gone.*deepspeed==0.19.8"):
+        check_supported(WithoutBroadcast)

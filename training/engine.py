@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 
 from ..patches.deepspeed_pipe_backward import use_single_backward
+from ..patches.deepspeed_stage_engine import build_stage_engine
 from .clipping import GlobalNormClipping
 from .collectives import any_rank_requests_stop, gather_objects_to_rank0, wait_for_all_ranks
 from .data import MicroBatches, load_examples
@@ -44,7 +45,6 @@ from .resume import (
     write_saved_marker,
 )
 from .spec import RunSpec, SpecError
-from .stage_engine import build_stage_engine
 from .stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
 from .tensorboard_log import TensorBoardLog
 
@@ -169,7 +169,7 @@ class Trainer:
         self.optim = build_optimizer(spec, [(n, p) for n, p in self.module.named_parameters() if p.requires_grad])
         optimizer, scheduler = self.optim.optimizer, self.optim.scheduler
         self.block_swapper = BlockSwapper(swapped, ctx.device).attach() if swapped else None
-        # The engine leaves the stage where it is and broadcasts only the LoRA (training/stage_engine.py).
+        # The engine leaves the stage where it is and broadcasts only the LoRA (patches/deepspeed_stage_engine.py).
         self.engine = build_stage_engine(self.module, optimizer, scheduler, params,
                                          deepspeed_config(spec, data_parallel=self.data_parallel))
         use_single_backward(self.engine)

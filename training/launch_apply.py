@@ -29,7 +29,7 @@ def apply_launch_settings(spec: RunSpec, rank: int, device: torch.device, events
     notes += [f"The ComfyUI at {spec.comfyui_path} has no '{name}' option: that launch setting is not applied."
               for name in unknown]
     if plan.attention == "flash":
-        from .flash_backward import enable_flash_attention_backward
+        from ..patches.comfy_flash_backward import enable_flash_attention_backward
 
         if not enable_flash_attention_backward():
             notes.append("This torch has no torch.library.custom_op, so ComfyUI could not define its flash-attn op "

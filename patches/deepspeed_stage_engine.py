@@ -22,15 +22,16 @@ class UnsupportedDeepSpeed(RuntimeError):
     pass
 
 
-def check_supported() -> None:
-    """Raise with what to do when this DeepSpeed lacks what the stage engine relies on."""
+def check_supported(engine_class: type | None = None) -> None:
+    """Raise with what to do when this DeepSpeed (or ``engine_class``) lacks what the stage engine relies on."""
     import inspect
 
     import deepspeed
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    engine_class = engine_class or PipelineEngine
     problems = []
-    if not callable(getattr(PipelineEngine, "_broadcast_model", None)):
+    if not callable(getattr(engine_class, "_broadcast_model", None)):
         problems.append("PipelineEngine._broadcast_model is gone")
     if "dont_change_device" not in inspect.signature(deepspeed.DeepSpeedEngine.__init__).parameters:
         problems.append("DeepSpeedEngine no longer takes dont_change_device")
@@ -43,7 +44,7 @@ def check_supported() -> None:
 def _engine_class():
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from .collectives import broadcast_trainable
+    from ..training.collectives import broadcast_trainable
 
     class StageEngine(PipelineEngine):
         """A ``PipelineEngine`` whose start-up broadcast carries only trainable parameters."""
