@@ -13,55 +13,28 @@ model. The checks compare with ComfyUI's own code, never with our formulas:
 - preflight's view of the model (``layer_layout``, geometry) agrees with the stage layers;
 - slow tier: 2 training steps in 1 and in 2 pipeline stages of the real process tree are bitwise equal.
 
-Adding a family: one module in training/pipelines/, one row here, one workflow.
+Adding a family: one module in training/pipelines/, one module of rows in tests/family_rows/, one workflow.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.utils.checkpoint
+from pipetrainer.tests.family_rows import Row, all_rows
+from pipetrainer.tests.family_rows.common import collect_warnings
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for, known_families
 from pipetrainer.training.spec import TARGET_PRESETS, CacheItem, LoraSpec
 
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    family: str
-    tier: str
-    load: str  # name of the loader below
-    latent: tuple[int, ...]  # one example's raw latent shape
-    tokens: int
-    comfy_kwargs: Callable[[torch.Tensor, torch.Tensor | None, object], dict] = lambda cond, pooled, options: {}
-    model_file: bool = True  # a file ComfyUI detects: the training process can load it
-
-
-def _sd3_kwargs(cond, pooled, options):
-    return {"y": pooled}
-
-
-def _flux_kwargs(cond, pooled, options):
-    return {"y": pooled, "guidance": torch.full((cond.shape[0],), options.guidance)}
-
-
-ROWS = [
-    Row("SD3", "detected file, 9.6 M (fixture_paths.mmdit)", "sd3", (16, 10, 6), 7, _sd3_kwargs),
-    Row("Flux", "ComfyUI's Flux config class, hidden 64 (detection pins 3072), in memory", "flux_small",
-        (4, 7, 5), 5, _flux_kwargs, model_file=False),
-    Row("Wan", "detected file, 1.1 M (build_tiny_wan_t2v)", "wan_t2v", (16, 3, 6, 10), 9),
-]
-BY_FAMILY = {row.family: row for row in ROWS}
+ROWS = all_rows()
+BY_NAME = {row.name: row for row in ROWS}
 
 
 def test_every_registered_family_has_a_row():
-    assert set(known_families()) == set(BY_FAMILY)
+    assert set(known_families()) == {row.family for row in ROWS}
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -70,77 +43,21 @@ def test_every_registered_family_has_a_row():
 RTOL = 5e-3
 
 
-@contextmanager
-def _warnings():
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(level=logging.WARNING)
-    logging.getLogger().addHandler(handler)
-    try:
-        yield records
-    finally:
-        logging.getLogger().removeHandler(handler)
-
-
-def _wan_t2v_path(comfy_root: Path) -> Path:
-    from pipetrainer.devkit.fixtures import WAN_T2V_FILE, _build_atomically, build_tiny_wan_t2v
-
-    path = comfy_root / "models" / "diffusion_models" / WAN_T2V_FILE
-    if not path.exists():
-        _build_atomically(path, build_tiny_wan_t2v)
-    return path
-
-
-def _flux_small():
-    """A small Flux BaseModel from ComfyUI's own config class (no detection), with seeded weights."""
-    import comfy.model_patcher
-    import comfy.supported_models
-    from pipetrainer.devkit.fixtures import _randomize_scaled, flux_params
-
-    unet = {"image_model": "flux", **flux_params(
-        in_channels=4, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0, num_heads=2,
-        depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
-        guidance_embed=True)}
-    config = comfy.supported_models.Flux(unet)
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model({})
-    state = model.diffusion_model.state_dict()
-    model.diffusion_model.load_state_dict(_randomize_scaled({k: v.float() for k, v in state.items()}, 64))
-    model.diffusion_model.float()
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
-
-
-def _model_path(row: Row, comfy_root: Path, fixture_paths) -> Path:
-    return {"sd3": lambda: fixture_paths.mmdit, "wan_t2v": lambda: _wan_t2v_path(comfy_root)}[row.load]()
-
-
 def _load(row: Row, comfy_root: Path, fixture_paths):
     """A fresh ModelPatcher of the row's model (the LoRA checks change modules, so never shared)."""
-    import comfy.sd
-
-    if row.load == "flux_small":
-        return _flux_small()
-    with _warnings() as warnings:
-        patcher = comfy.sd.load_diffusion_model(str(_model_path(row, comfy_root, fixture_paths)))
-    assert not [w for w in warnings if "missing" in w or "unexpected" in w], warnings
-    return patcher
+    return row.load(comfy_root, fixture_paths)
 
 
-@pytest.fixture(params=[row.family for row in ROWS])
+@pytest.fixture(params=[row.name for row in ROWS])
 def row(request) -> Row:
-    return BY_FAMILY[request.param]
+    return BY_NAME[request.param]
 
 
 # ---- one example -------------------------------------------------------------------------------
 
 
 def _example(row: Row, model, seed: int = 0):
-    """``(noisy, sigma, cond, pooled, Noised)`` of one seeded example, built as the trainer builds it."""
+    """``(noisy, sigma, cond, pooled, Noised, extras, clean)`` of one seeded example, built as the trainer builds it."""
     from pipetrainer.training.loss import noisy_input_and_target
 
     adapter = adapter_for(row.family)
@@ -154,20 +71,22 @@ def _example(row: Row, model, seed: int = 0):
     pooled = torch.randn(1, pooled_dim, generator=g) if pooled_dim else None
     noised = noisy_input_and_target(model.model_sampling, x0, noise, sigma)
     noisy = model.model_sampling.noise_scaling(sigma.view(-1, *[1] * (x0.ndim - 1)), noise, x0)
-    return noisy, sigma, cond, pooled, noised
+    extras = row.extras(model, x0, g)
+    assert set(extras) <= set(adapter.extras(dm)), sorted(extras)
+    return noisy, sigma, cond, pooled, noised, extras, x0
 
 
-def _staged(adapter, layers, noised, cond, pooled, options, checkpoint: bool = False):
-    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in
-                adapter.first_stage_inputs(Batch(noised.network_input, noised.timestep, cond, pooled, options=options)))
+def _staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint: bool = False):
+    batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=extras, options=options, clean=clean)
+    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in adapter.first_stage_inputs(batch))
     for layer in layers:
         out = torch.utils.checkpoint.checkpoint(layer, out, use_reentrant=False) if checkpoint else layer(out)
     return out
 
 
-def _comfy_denoised(model, noisy, sigma, cond, pooled, row: Row, options) -> torch.Tensor:
+def _comfy_denoised(model, noisy, sigma, cond, pooled, row: Row, options, extras) -> torch.Tensor:
     with torch.no_grad():
-        return model.apply_model(noisy, sigma, c_crossattn=cond, **row.comfy_kwargs(cond, pooled, options))
+        return model.apply_model(noisy, sigma, c_crossattn=cond, **row.comfy_kwargs(cond, pooled, options, extras))
 
 
 def _with_lora(adapter, layers, preset: str, rank: int = 4, alpha: float = 2.0, seed: int = 3):
@@ -196,12 +115,12 @@ def test_staged_forward_equals_comfyuis_unsplit_forward(row, comfy_root, fixture
     assert family_name_for(model) == row.family
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    noisy, sigma, cond, pooled, noised = _example(row, model)
+    noisy, sigma, cond, pooled, noised, extras, clean = _example(row, model)
     with torch.no_grad():
-        out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options)
+        out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options, extras, clean)
     assert out.shape == noisy.shape
     ours = model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
-    theirs = _comfy_denoised(model, noisy, sigma, cond, pooled, row, options)
+    theirs = _comfy_denoised(model, noisy, sigma, cond, pooled, row, options, extras)
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-6 * theirs.abs().max().item()), (ours - theirs).abs().max()
 
 
@@ -218,13 +137,13 @@ def test_lora_gradients_match_finite_differences(row, comfy_root, fixture_paths)
     model = _load(row, comfy_root, fixture_paths).model
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    _, sigma, cond, pooled, noised = _example(row, model, seed=1)
+    _, sigma, cond, pooled, noised, extras, clean = _example(row, model, seed=1)
     layers = adapter.stage_layers(model.diffusion_model)
     _, _, stage, _ = _with_lora(adapter, layers, "attention_mlp")
     params = list(named_lora_parameters(stage).values())
 
     def loss(checkpoint=False):
-        return (_staged(adapter, layers, noised, cond, pooled, options, checkpoint) - noised.target).pow(2).mean()
+        return (_staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint) - noised.target).pow(2).mean()
 
     plain = torch.autograd.grad(loss(), params)
     checked = torch.autograd.grad(loss(checkpoint=True), params)
@@ -273,31 +192,30 @@ def test_saved_lora_is_consumed_by_comfyui_and_reproduces_the_trainers_forward(r
 
     trainer = _load(row, comfy_root, fixture_paths)
     reference = _load(row, comfy_root, fixture_paths)
-    if row.load == "flux_small":  # seeded the same way: equal weights
-        reference.model.diffusion_model.load_state_dict(trainer.model.diffusion_model.state_dict())
+    reference.model.diffusion_model.load_state_dict(trainer.model.diffusion_model.state_dict())  # equal weights
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    noisy, sigma, cond, pooled, noised = _example(row, trainer.model, seed=2)
+    noisy, sigma, cond, pooled, noised, extras, clean = _example(row, trainer.model, seed=2)
     layers = adapter.stage_layers(trainer.model.diffusion_model)
     lora, indexed, stage, count = _with_lora(adapter, layers, "all_linear")
     with torch.no_grad():
-        out = _staged(adapter, layers, noised, cond, pooled, options)
+        out = _staged(adapter, layers, noised, cond, pooled, options, extras, clean)
     ours = trainer.model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
     tensors = stage_lora_tensors(stage, {i: layer.comfy_paths for i, layer in indexed}, lora)
 
     key_map = comfy.lora.model_lora_keys_unet(reference.model, {})
     modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in tensors}
     assert len(modules) == count and modules <= set(key_map), sorted(modules - set(key_map))
-    with _warnings() as warnings:
+    with collect_warnings() as warnings:
         patches = comfy.lora.load_lora(tensors, key_map)
     assert not [w for w in warnings if "not loaded" in w], warnings
     assert len(patches) == count
 
-    base = _comfy_denoised(reference.model, noisy, sigma, cond, pooled, row, options)
+    base = _comfy_denoised(reference.model, noisy, sigma, cond, pooled, row, options, extras)
     patched, _ = comfy.sd.load_lora_for_models(reference, None, tensors, 1.0, 0)
     patched.patch_model()
     try:
-        applied = _comfy_denoised(patched.model, noisy, sigma, cond, pooled, row, options)
+        applied = _comfy_denoised(patched.model, noisy, sigma, cond, pooled, row, options, extras)
     finally:
         patched.unpatch_model()
     scale = applied.abs().max().item()
@@ -325,7 +243,7 @@ def test_preflight_reads_the_family_rules_without_building_stage_layers(row, com
     monkeypatch.setattr(type(adapter), "stage_layers", lambda *a: pytest.fail("preflight built stage layers"))
     inputs = checks.model_inputs(model)
     assert inputs.family == row.family and inputs.latent_channels == model.latent_format.latent_channels
-    if row.model_file:  # the in-memory Flux is narrower than its family's latent format
+    if row.model_path is not None:  # in-memory models may be narrower than their family's latent format
         assert inputs.latent_channels == row.latent[0]
     assert inputs.geometry.video == (len(row.latent) == 4)
     assert checks.model_support_problems(model) == [] and checks.block_layout(model) == layouts
@@ -336,32 +254,36 @@ def test_preflight_reads_the_family_rules_without_building_stage_layers(row, com
 
 
 def _cache_items(row: Row, model, folder: Path, count: int = 2) -> list[CacheItem]:
-    """Plain-file cache items (no index) with seeded latents and conds of the row's shapes."""
+    """Plain-file cache items (no index) with seeded latents, conds and extras of the row's shapes."""
     from safetensors.torch import save_file
 
     adapter = adapter_for(row.family)
     context, pooled_dim = adapter.conditioning_dims(model.diffusion_model)
+    sources = {name: spec.source for name, spec in adapter.extras(model.diffusion_model).items()}
     g = torch.Generator().manual_seed(7)
     folder.mkdir(parents=True, exist_ok=True)
     items = []
     for i in range(count):
         latent, text = folder / f"{i}.latent.safetensors", folder / f"{i}.text.safetensors"
-        save_file({"latent": torch.randn(*row.latent, generator=g)}, str(latent))
-        tensors = {"cond": torch.randn(row.tokens + i, context, generator=g)}
+        x0 = torch.randn(*row.latent, generator=g)
+        entries = {"latent": {"latent": x0}, "text": {"cond": torch.randn(row.tokens + i, context, generator=g)}}
         if pooled_dim:
-            tensors["pooled"] = torch.randn(pooled_dim, generator=g)
-        save_file(tensors, str(text))
+            entries["text"]["pooled"] = torch.randn(pooled_dim, generator=g)
+        for name, value in row.extras(model, model.process_latent_in(x0[None]), g).items():
+            entries[sources[name]][name] = value[0].contiguous()
+        save_file(entries["latent"], str(latent))
+        save_file(entries["text"], str(text))
         items.append(CacheItem(str(latent), str(text), f"item{i}.png", f"caption {i}"))
     return items
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [row.family for row in ROWS if row.model_file])
-def test_two_steps_in_one_and_two_stages_are_bitwise_equal(family, comfy_root, fixture_paths, tmp_path):
+@pytest.mark.parametrize("name", [row.name for row in ROWS if row.model_path is not None])
+def test_two_steps_in_one_and_two_stages_are_bitwise_equal(name, comfy_root, fixture_paths, tmp_path):
     from safetensors.torch import load_file
 
-    row = BY_FAMILY[family]
-    path = _model_path(row, comfy_root, fixture_paths)
+    row = BY_NAME[name]
+    path = row.model_path(comfy_root, fixture_paths)
     items = _cache_items(row, _load(row, comfy_root, fixture_paths).model, tmp_path / "cache")
     runs = []
     for stages in (1, 2):
@@ -372,7 +294,7 @@ def test_two_steps_in_one_and_two_stages_are_bitwise_equal(family, comfy_root, f
                          partition_method="uniform", lora=LoraSpec(rank=4, alpha=4.0, targets="attention_mlp"))
         code, events = run_training(spec)
         assert code == 0, [e for e in events if e["type"] == "error"]
-        assert next(e for e in events if e["type"] == "setup")["family"] == family
+        assert next(e for e in events if e["type"] == "setup")["family"] == row.family
         runs.append((losses(events), load_file(spec.lora_output)))
     (one_losses, one), (two_losses, two) = runs
     assert len(one_losses) == 2 and one_losses == two_losses

@@ -203,11 +203,7 @@ class MicroBatches:
         batch = [self.examples[i] for i in self._indices(micro)]
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + micro * self.replicas + self.replica) % (2**63))
         dm = self.model.diffusion_model
-        video = self.adapter.geometry(dm).video
-        latents = [b.latent.float() for b in batch]
-        if video:  # an image trains as a 1-frame video
-            latents = [lat.unsqueeze(1) if lat.ndim == 3 else lat for lat in latents]
-        x0 = self.model.process_latent_in(torch.stack(latents))
+        x0 = self._processed_latents([b.latent for b in batch])
         noise = torch.randn(x0.shape, generator=g)
         tokens = self.adapter.image_tokens(dm, tuple(x0.shape[1:]))
         sigma = sample_sigmas(len(batch), self.timesteps, g, self.model.model_sampling, tokens)
@@ -226,6 +222,14 @@ class MicroBatches:
         ))
         return tuple(t.to(self.device) for t in inputs), labels
 
+    def _processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Raw cached VAE latents of one shape, stacked, as the model takes them (``process_latent_in``);
+        on a video model an image latent ``[C, H, W]`` trains as a 1-frame video."""
+        values = [lat.float() for lat in latents]
+        if self.adapter.geometry(self.model.diffusion_model).video:
+            values = [lat.unsqueeze(1) if lat.ndim == 3 else lat for lat in values]
+        return self.model.process_latent_in(torch.stack(values))
+
     def _stacked_extras(self, batch: Sequence[Example], text_length: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The family's extras of the micro-batch, stacked (float ones in the compute dtype); a text-aligned
         extra (a text attention mask) is brought to the text length like the conds."""
@@ -235,7 +239,10 @@ class MicroBatches:
             if name not in batch[0].extras:
                 continue  # optional, or missing: preflight reports required extras missing from a cache
             values = [b.extras[name] for b in batch]
-            stacked = stack_text(values, text_length) if spec.follows_text else torch.stack(values)
+            if spec.is_latent:
+                stacked = self._processed_latents(values)
+            else:
+                stacked = stack_text(values, text_length) if spec.follows_text else torch.stack(values)
             out[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
         return out
 

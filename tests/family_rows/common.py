@@ -1,0 +1,69 @@
+"""Loading helpers the family rows share (this module defines no rows)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROWS: list = []
+
+
+@contextmanager
+def collect_warnings() -> Iterator[list[str]]:
+    """The messages of the warnings logged inside the block."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def load_detected(path: Path):
+    """A ModelPatcher from ComfyUI's stock diffusion-model loader; fails on missing/unexpected keys."""
+    import comfy.sd
+
+    with collect_warnings() as warnings:
+        patcher = comfy.sd.load_diffusion_model(str(path))
+    assert not [w for w in warnings if "missing" in w or "unexpected" in w], warnings
+    return patcher
+
+
+def built_fixture(file_name: str, build: Callable[[Path], Path]) -> Callable[[Path, object], Path]:
+    """A ``model_path`` that builds ``file_name`` in the host's diffusion_models once (atomically)."""
+
+    def model_path(comfy_root: Path, fixture_paths) -> Path:
+        from pipetrainer.devkit.fixtures import _build_atomically
+
+        path = comfy_root / "models" / "diffusion_models" / file_name
+        if not path.exists():
+            _build_atomically(path, build)
+        return path
+
+    return model_path
+
+
+def from_config(config_class, unet_config: dict, seed: int):
+    """A float32 ModelPatcher on the CPU from one of ComfyUI's config classes (``comfy.supported_models``),
+    with seeded weights of a trained network's scale (no detection, no file)."""
+    import comfy.model_patcher
+    from pipetrainer.devkit.fixtures import _randomize_scaled
+
+    config = config_class(unet_config)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    state = model.diffusion_model.state_dict()
+    model.diffusion_model.load_state_dict(_randomize_scaled({k: v.float() for k, v in state.items()}, seed))
+    model.diffusion_model.float()
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
