@@ -5,14 +5,18 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .cache import PipeTrainerCache
+from .checkpoint_source import PipeTrainerLoadCheckpoint
 from .configs import PipeTrainerLoRA, PipeTrainerOptimizer
 from .dataset import PipeTrainerDataset
+from .gguf_source import PipeTrainerLoadGGUF
 from .model_source import PipeTrainerLoadDiffusionModel
 from .timesteps import PipeTrainerTimesteps
 from .train import PipeTrainerTrain
 
 NODES: list[type[io.ComfyNode]] = [
     PipeTrainerLoadDiffusionModel,
+    PipeTrainerLoadCheckpoint,
+    PipeTrainerLoadGGUF,
     PipeTrainerDataset,
     PipeTrainerCache,
     PipeTrainerLoRA,

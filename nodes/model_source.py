@@ -7,7 +7,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..training.fingerprint import file_fingerprint
-from ..training.model_source import model_options
+from ..training.model_source import model_options, weight_dtype_of_options
 from ..training.spec import WEIGHT_DTYPES, ModelRecipe
 from .types import CATEGORY
 
@@ -20,15 +20,33 @@ def attach_recipe(model, recipe: ModelRecipe) -> None:
 
 
 def recipe_of(model) -> ModelRecipe | None:
+    """How the training process can rebuild ``model``: the recipe a PipeTrainer loader attached, or,
+    on ComfyUI >= 0.23, what the stock diffusion-model or checkpoint loader recorded; None otherwise."""
     recipe = getattr(model, "attachments", {}).get(RECIPE_KEY)
     if recipe is not None:
         return recipe
     init = getattr(model, "cached_patcher_init", None)  # ComfyUI >= 0.23 records how core loaders built it
-    if init and getattr(init[0], "__name__", "") == "load_diffusion_model" and init[1]:
-        args = init[1]
-        path = args[0]
-        return ModelRecipe("diffusion_model", path, "default", file_fingerprint(path))
+    if not init or len(init) < 2 or not init[1]:
+        return None
+    name, args = getattr(init[0], "__name__", ""), init[1]
+    if name == "load_diffusion_model":
+        options = args[1] if len(args) > 1 and isinstance(args[1], dict) else {}
+        return ModelRecipe("diffusion_model", args[0], weight_dtype_of_options(options), file_fingerprint(args[0]))
+    if name == "load_checkpoint_guess_config":
+        options = args[6] if len(args) > 6 and isinstance(args[6], dict) else {}
+        return ModelRecipe("checkpoint", args[0], weight_dtype_of_options(options), file_fingerprint(args[0]))
     return None
+
+
+def no_recipe_message(model) -> str:
+    """What to do with a MODEL the training process cannot rebuild: the loader to use instead."""
+    if type(model).__name__ == "GGUFModelPatcher":
+        return ("This MODEL comes from ComfyUI-GGUF's 'Unet Loader (GGUF)': use 'Load GGUF Model (PipeTrainer)' "
+                "instead (same file, same quantized weights), so the training process can load the same model.")
+    return ("The MODEL was not loaded by 'Load Diffusion Model (PipeTrainer)' (a file in models/diffusion_models), "
+            "'Load Checkpoint (PipeTrainer)' (an all-in-one file in models/checkpoints) or 'Load GGUF Model "
+            "(PipeTrainer)' (a .gguf file, with ComfyUI-GGUF installed): load it with one of them so the training "
+            "process can load the same weights.")
 
 
 class PipeTrainerLoadDiffusionModel(io.ComfyNode):

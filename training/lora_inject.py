@@ -6,6 +6,9 @@ LoRA parameters are kept in fp32 whatever the base weights are (bf16, fp8). PEFT
 to its base weight's dtype, so on a bf16 or fp8 base its initial values would be rounded to that
 dtype; the initial values are therefore drawn here, in fp32 on the CPU, after injection: the same
 seed gives bit-identical initial LoRA weights on every base dtype and device.
+
+ComfyUI's per-layer-quantized Linears are not ``nn.Linear``: PEFT cannot wrap them, so they get the
+project's :class:`~.quant.layers.QuantLinearLora` (same layout and key names, same initialisation order).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from .pipelines.targets import layer_targets, peft_target_regex
+from .quant.layers import QuantLinearLora, wrap_quant_linears
 from .spec import LoraSpec
 
 
@@ -35,10 +39,13 @@ def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec
         names = list(layer_targets(layer, target_regex))
         if not names:
             continue
-        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                            target_modules=peft_target_regex(names), bias="none", init_lora_weights=False)
-        with torch.random.fork_rng(devices=[]):  # PEFT's throw-away default init must not move the global RNG
-            inject_adapter_in_model(config, layer)
+        linears = [n for n in names if isinstance(layer.get_submodule(n), nn.Linear)]
+        wrap_quant_linears(layer, [n for n in names if n not in linears], spec.rank, spec.alpha, spec.dropout)
+        if linears:
+            config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                target_modules=peft_target_regex(linears), bias="none", init_lora_weights=False)
+            with torch.random.fork_rng(devices=[]):  # PEFT's throw-away default init must not move the global RNG
+                inject_adapter_in_model(config, layer)
         _init_fp32(layer, torch.Generator().manual_seed(seed * 10_007 + index))
         count += len(names)
     return count
@@ -48,7 +55,8 @@ def _init_fp32(layer: nn.Module, generator: torch.Generator) -> None:
     """fp32 A (Kaiming-uniform, drawn on the CPU from ``generator``) and zero B for every adapter in ``layer``."""
     from peft.tuners.lora import LoraLayer
 
-    for module in (m for m in layer.modules() if isinstance(m, LoraLayer)):  # a fixed order: the module tree's
+    adapters = (m for m in layer.modules() if isinstance(m, (LoraLayer, QuantLinearLora)))
+    for module in adapters:  # a fixed order: the module tree's
         for adapter in sorted(module.lora_A.keys()):
             lora_a, lora_b = module.lora_A[adapter].float(), module.lora_B[adapter].float()
             init = torch.empty(lora_a.weight.shape, dtype=torch.float32)

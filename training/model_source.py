@@ -3,6 +3,11 @@
 The node layer records a :class:`~training.spec.ModelRecipe` (loader, file, options, fingerprint);
 here the same ComfyUI function loads the same file with the same options, so fp8 and other quantized
 weights behave exactly as they do in the graph. LoRAs stacked on the input MODEL are merged first.
+
+Loaders (``ModelRecipe.loader``): ``diffusion_model`` (``comfy.sd.load_diffusion_model``),
+``checkpoint`` (``comfy.sd.load_checkpoint_guess_config``, the MODEL only) and ``gguf``
+(ComfyUI-GGUF's own reader and ops, imported from the user's custom_nodes folder: training/quant/gguf.py).
+Quantized files stay quantized: the frozen base is never dequantized as a whole (training/quant/).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from .fingerprint import file_fingerprint
+from .quant.formats import WeightFormat, file_weight_format
+from .quant.guards import force_full_precision_matmul, match_fixed_compute_dtypes
 from .sampling_override import apply_sampling_override
 from .spec import ModelRecipe
 from .stage_weights import DeferredWeights, release_modules
@@ -26,7 +33,7 @@ _WEIGHT_DTYPES = {
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def model_options(weight_dtype: str, compute_dtype: str | None = None) -> dict:
+def model_options(weight_dtype: str, compute_dtype: str | None = None, file_fp8: torch.dtype | None = None) -> dict:
     """ComfyUI ``model_options`` for UNETLoader's ``weight_dtype`` choice.
 
     Without ``compute_dtype`` this is the stock loader's own mapping (the graph's MODEL, for
@@ -34,11 +41,19 @@ def model_options(weight_dtype: str, compute_dtype: str | None = None) -> dict:
     fp16 on CUDA. With one (the training process), "default" weights are stored in the compute dtype,
     so ``fp32`` means fp32 on every device; fp8 weights stay fp8 and get their compute dtype from
     :func:`use_compute_dtype` after loading, because ComfyUI's loader has no option for it.
+    ``file_fp8`` is the dtype of a plain fp8 file (training/quant/formats.py): its "default" weights
+    stay in it rather than being dequantized to the compute dtype.
     """
     options = dict(_WEIGHT_DTYPES[weight_dtype])
     if compute_dtype is not None and "dtype" not in options:
-        options["dtype"] = COMPUTE_DTYPES[compute_dtype]
+        options["dtype"] = file_fp8 or COMPUTE_DTYPES[compute_dtype]
     return options
+
+
+def weight_dtype_of_options(options: dict) -> str:
+    """The loader's ``weight_dtype`` choice that gives these ``model_options`` (inverse of the mapping)."""
+    wanted = {k: options[k] for k in ("dtype", "fp8_optimizations") if options.get(k)}
+    return next((name for name, value in _WEIGHT_DTYPES.items() if value == wanted), "default")
 
 
 def use_compute_dtype(patcher, compute_dtype: str) -> None:
@@ -74,18 +89,23 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
         raise StaleRecipeError(
             f"{recipe.path} changed on disk since the graph loaded it; queue the graph again to reload it."
         )
-    if recipe.loader != "diffusion_model":
-        raise ValueError(f"Unknown model loader {recipe.loader!r} in the run spec.")
-    options = model_options(recipe.weight_dtype, compute_dtype)
-    if deferred is None:
-        patcher = comfy.sd.load_diffusion_model(recipe.path, model_options=options)
+    if recipe.loader not in _LOADERS:
+        raise ValueError(f"Unknown model loader {recipe.loader!r} in the run spec (known: {', '.join(_LOADERS)}).")
+    if recipe.loader == "gguf" and recipe.loras:
+        raise ValueError("LoRAs stacked on a GGUF model cannot be merged into its quantized weights before training; "
+                         "remove the LoRA loaders between the GGUF loader and Train LoRA.")
+    load = _LOADERS[recipe.loader]
+    if deferred is None or _loads_only_in_full(recipe):
+        patcher = load(recipe, compute_dtype)
     else:
         with deferred.capture():
-            patcher = comfy.sd.load_diffusion_model(recipe.path, model_options=options)
+            patcher = load(recipe, compute_dtype)
         if not deferred.captured:
             raise RuntimeError("This ComfyUI loaded the model without the state-dict load PipeTrainer defers; "
                                "report the ComfyUI version. Training cannot load stages separately.")
     use_compute_dtype(patcher, compute_dtype)
+    force_full_precision_matmul(patcher.model.diffusion_model)
+    match_fixed_compute_dtypes(patcher.model.diffusion_model)
     for lora_path, strength in recipe.loras:
         lora = comfy.utils.load_torch_file(lora_path, safe_load=True)
         patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
@@ -93,6 +113,62 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
         _merge_patches(patcher)
     apply_sampling_override(patcher, recipe.sampling)
     return patcher
+
+
+def _loads_only_in_full(recipe: ModelRecipe) -> bool:
+    """ComfyUI 0.3.75's per-layer-quantized Linear raises when its weight is not in the state dict it is
+    given, so the stage-wise deferred load (training/stage_weights.py) cannot keep its weights aside:
+    such a file loads in full on every rank (its weights stay fp8). Current ComfyUI defers it as usual."""
+    import comfy.ops
+
+    if recipe.loader not in ("diffusion_model", "checkpoint") or hasattr(comfy.ops, "QuantLinearFunc"):
+        return False
+    prefix = CHECKPOINT_PREFIX if recipe.loader == "checkpoint" else ""
+    return file_weight_format(recipe.path, prefix)[0] is WeightFormat.PER_LAYER
+
+
+def _refuse_stacked_loras_on_scaled_weights(recipe: ModelRecipe, fmt: WeightFormat) -> None:
+    """Merging a LoRA into scaled fp8 or per-layer-quantized weights needs their scales (ComfyUI
+    requantizes with stochastic rounding); training refuses rather than merge it without them."""
+    if recipe.loras and fmt in (WeightFormat.SCALED_FP8, WeightFormat.PER_LAYER):
+        raise ValueError(f"LoRAs stacked on a {fmt.value} model cannot be merged into its scaled weights before "
+                         "training; remove the LoRA loaders between the model loader and Train LoRA (or merge the "
+                         "LoRA into a full-precision file and train on that).")
+
+
+def _load_diffusion_model(recipe: ModelRecipe, compute_dtype: str):
+    import comfy.sd
+
+    fmt, fp8 = file_weight_format(recipe.path)
+    _refuse_stacked_loras_on_scaled_weights(recipe, fmt)
+    options = model_options(recipe.weight_dtype, compute_dtype, fp8 if fmt is WeightFormat.FP8 else None)
+    return comfy.sd.load_diffusion_model(recipe.path, model_options=options)
+
+
+CHECKPOINT_PREFIX = "model.diffusion_model."  # where ComfyUI's checkpoint loader finds the diffusion model
+
+
+def _load_checkpoint(recipe: ModelRecipe, compute_dtype: str):
+    """The MODEL of an all-in-one checkpoint, as ``CheckpointLoaderSimple`` builds it (no CLIP, no VAE)."""
+    import comfy.sd
+
+    fmt, fp8 = file_weight_format(recipe.path, CHECKPOINT_PREFIX)
+    _refuse_stacked_loras_on_scaled_weights(recipe, fmt)
+    options = model_options(recipe.weight_dtype, compute_dtype, fp8 if fmt is WeightFormat.FP8 else None)
+    patcher = comfy.sd.load_checkpoint_guess_config(recipe.path, output_vae=False, output_clip=False,
+                                                    output_clipvision=False, model_options=options)[0]
+    if patcher is None:
+        raise ValueError(f"ComfyUI found no diffusion model in the checkpoint {recipe.path}.")
+    return patcher
+
+
+def _load_gguf(recipe: ModelRecipe, compute_dtype: str):
+    from .quant.gguf import load_gguf_model
+
+    return load_gguf_model(recipe.path, recipe.extension_path, COMPUTE_DTYPES[compute_dtype])
+
+
+_LOADERS = {"diffusion_model": _load_diffusion_model, "checkpoint": _load_checkpoint, "gguf": _load_gguf}
 
 
 def finish_loading(patcher, deferred: DeferredWeights, foreign_paths: Sequence[str]) -> list[str]:

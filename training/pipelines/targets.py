@@ -2,7 +2,8 @@
 
 A family's preset is a regex over ComfyUI module paths (``diffusion_model``-relative, e.g.
 ``blocks.3.self_attn.q``): the names the LoRA file is keyed by. A module is a target when it is an
-``nn.Linear`` (ComfyUI's cast and quantized Linears subclass it; PEFT injects into those) whose
+``nn.Linear`` (ComfyUI's cast and fp8 Linears subclass it; PEFT injects into those) or ComfyUI's
+per-layer-quantized Linear (a plain module; training/quant/layers.py wraps it) whose
 ComfyUI path fully matches. Applied to the whole ComfyUI model (:func:`model_targets`: preflight's
 parameter count, no stage layer built) or to one stage layer (:func:`layer_targets`: injection and
 the stage plan), it selects the same modules, since stage layers adopt ComfyUI's modules under
@@ -16,9 +17,11 @@ import re
 
 from torch import nn
 
+from ..quant.layers import is_linear_like
+
 
 def is_lora_target(target_regex: str, comfy_path: str | None, module: nn.Module) -> bool:
-    return comfy_path is not None and isinstance(module, nn.Linear) and re.fullmatch(target_regex, comfy_path) is not None
+    return comfy_path is not None and is_linear_like(module) and re.fullmatch(target_regex, comfy_path) is not None
 
 
 def layer_targets(layer: object, target_regex: str) -> dict[str, str]:

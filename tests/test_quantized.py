@@ -1,0 +1,352 @@
+"""Training on the quantized files users keep: fp8, legacy scaled fp8 and ComfyUI's per-layer format.
+
+Each format is written in the test from the tiny MMDiT (devkit/quant_fixtures.py quantizes its Linear
+weights only, like the real converters). Fast tier, in this process: ComfyUI's loader, replayed by the
+trainer, keeps the weights quantized (dtype / tensor type and the file's bytes); the LoRA lands on every
+Linear (PEFT's, or ours on ComfyUI's per-layer-quantized Linear, which is not an ``nn.Linear``); a few
+optimizer steps lower the loss and leave the base's bytes untouched; the LoRA's keys map with ComfyUI's
+``model_lora_keys_unet`` on the quantized base and on the full-precision original; and ComfyUI's stock
+LoRA loader, on the same quantized base, reproduces the trainer's forward within a bound per format.
+Slow tier: each format trains in the real training process tree and its saved file passes the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from pipetrainer.devkit import quant_fixtures
+from pipetrainer.tests.helpers import losses, make_spec, run_training
+from pipetrainer.training.engine import _inputs_need_grad
+from pipetrainer.training.lora_file import comfy_key_for, lora_state_dict
+from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+from pipetrainer.training.loss import mse_loss
+from pipetrainer.training.model_source import load_model
+from pipetrainer.training.pipelines.base import Batch, adapter_for
+from pipetrainer.training.quant.formats import WeightFormat, file_weight_format
+from pipetrainer.training.quant.guards import set_float_weights_trainable
+from pipetrainer.training.quant.layers import QuantLinearLora, is_comfy_quant_linear
+from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+LORA = LoraSpec(rank=4, alpha=4.0, targets="all_linear")
+LINEARS = 37  # the tiny MMDiT's Linear layers (4 blocks; the last text stream is pre-only)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    fmt: WeightFormat
+    write: object  # (source, target) -> path
+    stored: torch.dtype  # the Linear weights' storage dtype after loading
+    # ComfyUI-applied LoRA vs the trainer's forward: bound on max|diff| / max|ComfyUI output|, bf16 compute.
+    # ComfyUI merges W + s*B@A in fp32 and stores it back in fp8 (stochastic rounding; per-layer: requantized
+    # with a recalculated scale), the trainer adds the fp32 LoRA branch to the fp8 layer's output: the bound
+    # is set by fp8's ulp, like test_precision.py's fp8 cases (~3x the measured values in the comments).
+    tolerance: float
+
+
+# Measured with random B ~ N(0, 0.5), ComfyUI 0.3.75 / current: e4m3fn 1.9e-2 / 1.9e-2, e5m2 3.5e-2 / 3.1e-2,
+# scaled fp8 3.1e-2 / 1.7e-2 (0.3.75: scaled_fp8_ops; current: converted to the per-layer format),
+# per-layer 1.5e-2 / 1.7e-2; the LoRA moves the output by ~0.25 of its scale in every case.
+FORMATS = {
+    "fp8_e4m3fn": Format(WeightFormat.FP8, quant_fixtures.write_fp8, torch.float8_e4m3fn, 5e-2),
+    "fp8_e5m2": Format(WeightFormat.FP8, lambda s, t: quant_fixtures.write_fp8(s, t, torch.float8_e5m2),
+                       torch.float8_e5m2, 1e-1),
+    "scaled_fp8": Format(WeightFormat.SCALED_FP8, quant_fixtures.write_scaled_fp8, torch.float8_e4m3fn, 8e-2),
+    "per_layer": Format(WeightFormat.PER_LAYER, quant_fixtures.write_per_layer, torch.float8_e4m3fn, 5e-2),
+}
+ADAPTER = "SD3"
+
+
+@pytest.fixture(scope="module")
+def quantized(fixture_paths, tmp_path_factory):
+    """``name -> path`` of the tiny MMDiT written in each format (built once per module)."""
+    folder = tmp_path_factory.mktemp("quantized")
+    return {name: f.write(fixture_paths.mmdit, folder / f"mmdit-{name}.safetensors") for name, f in FORMATS.items()}
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _load(path: Path, compute: str = "bf16"):
+    return load_model(ModelRecipe("diffusion_model", str(path), "default"), compute)
+
+
+def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    return module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+
+
+def _storage(weight: torch.Tensor) -> torch.Tensor:
+    """The bytes a quantized weight holds: ComfyUI's ``QuantizedTensor`` keeps them in ``_qdata``."""
+    data = getattr(weight, "_qdata", None)
+    return (weight.data if data is None else data)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return _storage(t).detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _with_lora(patcher, lora: LoraSpec = LORA):
+    adapter = adapter_for(ADAPTER)
+    layers = list(enumerate(adapter.stage_layers(patcher.model.diffusion_model), start=1))
+    count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
+    assert count == {"attention_mlp": 29, "all_linear": LINEARS}[lora.targets]
+    return adapter, layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers})
+
+
+def _lora_layers(stage) -> dict[str, torch.nn.Module]:
+    """``{name: LoRA-wrapped layer}`` (PEFT's LoraLayer or our QuantLinearLora)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in stage.named_modules() if isinstance(m, (LoraLayer, QuantLinearLora))}
+
+
+def _run(layers, inputs):
+    out = inputs
+    for _, layer in layers:
+        out = layer(out)
+    return out
+
+
+def _random_batch(seed: int = 0, tokens: int = 77):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, tokens, 768, generator=g),
+            torch.randn(2, 768, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
+
+
+def _model_inputs(model, x0, cond, pooled, noise, sigma):
+    dtype = model.manual_cast_dtype or model.get_dtype()
+    noisy = model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1), noise, x0)
+    return noisy.to(dtype), model.model_sampling.timestep(sigma).float(), cond.to(dtype), pooled.to(dtype)
+
+
+def unmapped_keys(tensors: dict[str, torch.Tensor], patcher) -> set[str]:
+    """LoRA file keys ComfyUI's key map for this model does not take (its loader would skip them)."""
+    import comfy.lora
+
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    stems = {k.rsplit(".", 2)[0] if k.endswith((".lora_A.weight", ".lora_B.weight")) else k.rsplit(".", 1)[0]
+             for k in tensors}
+    return {s for s in stems if s not in key_map}
+
+
+def _reference_compute(path: Path, compute: str) -> str:
+    """ComfyUI 0.3.75's per-layer-quantized layers compute only in the dtype chosen at load (fp32 on CPU):
+    there, ComfyUI's reference runs in fp32 (the trainer's layers cast to it and back: QuantLinearLora)."""
+    import comfy.ops
+
+    per_layer = file_weight_format(str(path))[0] in (WeightFormat.PER_LAYER,)
+    return "fp32" if per_layer and not hasattr(comfy.ops, "QuantLinearFunc") else compute
+
+
+def trainer_vs_comfyui(path: Path, lora: LoraSpec, tensors: dict[str, torch.Tensor] | None, batch,
+                       compute: str = "bf16") -> tuple[float, float, dict[str, torch.Tensor]]:
+    """``(max|trainer - ComfyUI| / scale, max|ComfyUI with - without LoRA| / scale, LoRA tensors)``.
+
+    Trainer: the stage layers over the replayed quantized base with the LoRA holding ``tensors``
+    (None: random B). ComfyUI: a second load of the same file with its stock LoRA loader.
+    """
+    import comfy.sd
+
+    ours = _load(path, compute)
+    adapter, layers, stage = _with_lora(ours, lora)
+    params = named_lora_parameters(stage)
+    paths = {i: layer.comfy_paths for i, layer in layers}
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in params.items():
+            if tensors is None:
+                if ".lora_B." in name:
+                    p.normal_(0.0, 0.5, generator=g)
+            else:
+                key, kind = comfy_key_for(name, paths)
+                p.copy_(tensors[f"{key}.{kind}"])
+    if tensors is None:
+        tensors = lora_state_dict(params, paths, lora.alpha)
+    inputs = _model_inputs(ours.model, *batch)
+    noisy, timestep, cond, pooled = inputs
+    with torch.no_grad():
+        got = _run(layers, adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled,
+                                                            options=adapter.options_type())))
+    theirs = _load(path, _reference_compute(path, compute))
+    dm = theirs.model.diffusion_model
+    noisy, timestep, cond, pooled = _model_inputs(theirs.model, *batch)
+    with torch.no_grad():
+        plain = dm(noisy, timestep, context=cond, y=pooled).float()
+        patched, _ = comfy.sd.load_lora_for_models(theirs, None, tensors, 1.0, 0)
+        patched.patch_model()
+        try:
+            reference = dm(noisy, timestep, context=cond, y=pooled).float()
+        finally:
+            patched.unpatch_model()
+    scale = reference.abs().max().item()
+    return (got.float() - reference).abs().max().item() / scale, (reference - plain).abs().max().item() / scale, tensors
+
+
+# ---- fast tier -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_file_format_is_read_from_the_header(quantized, fixture_paths, name):
+    fmt, fp8 = file_weight_format(str(quantized[name]))
+    assert fmt is FORMATS[name].fmt and fp8 == FORMATS[name].stored
+    assert file_weight_format(str(fixture_paths.mmdit)) == (WeightFormat.PLAIN, None)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_replayed_base_keeps_the_files_quantized_bytes(quantized, name):
+    """Every Linear weight stays in the file's fp8 bytes (never dequantized to bf16 as a whole)."""
+    patcher = _load(quantized[name])
+    _, _, stage = _with_lora(patcher)
+    wrapped = _lora_layers(stage)
+    assert len(wrapped) == LINEARS
+    per_layer = FORMATS[name].fmt is WeightFormat.PER_LAYER or (
+        FORMATS[name].fmt is WeightFormat.SCALED_FP8 and any(is_comfy_quant_linear(m.base_layer) for m in wrapped.values()))
+    with safe_open(str(quantized[name]), framework="pt") as f:
+        for layer in wrapped.values():
+            weight = _linear_weight(layer)
+            assert _storage(weight).dtype == FORMATS[name].stored
+            if per_layer:
+                assert type(weight).__name__ == "QuantizedTensor" or type(weight.data).__name__ == "QuantizedTensor"
+                assert isinstance(layer, QuantLinearLora)
+    # the bytes: the loaded fp8 data of one layer of each kind equals the file's tensor
+    dm = patcher.model.diffusion_model
+    with safe_open(str(quantized[name]), framework="pt") as f:
+        for key in ("joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.3.context_block.attn.qkv.weight",
+                    "final_layer.linear.weight"):
+            module = dm.get_submodule(key.rsplit(".", 1)[0])
+            module = getattr(module, "base_layer", module)
+            assert torch.equal(_bits(module.weight), _bits(f.get_tensor(key))), key
+
+
+@pytest.mark.parametrize("name", [n if n != "fp8_e5m2" else pytest.param(n, marks=pytest.mark.slow) for n in FORMATS])
+def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(quantized, name):
+    patcher = _load(quantized[name])
+    adapter, layers, stage = _with_lora(patcher)
+    params = freeze_all_but_lora(stage)
+    assert len(params) == 2 * LINEARS and {p.dtype for p in params} == {torch.float32}
+    base = {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
+    before = {n: _bits(p).clone() for n, p in base.items()}
+    optimizer = torch.optim.AdamW(params, lr=3e-2, weight_decay=0.0)
+    x0, cond, pooled, noise, sigma = _random_batch(tokens=8)
+    noisy, timestep, cond, pooled = _model_inputs(patcher.model, x0, cond, pooled, noise, sigma)
+    inputs = adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled, options=adapter.options_type()))
+    values = []
+    for _ in range(6):
+        loss = mse_loss(_run(layers, _inputs_need_grad(inputs)), noise - x0)
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        values.append(loss.item())
+    assert all(math.isfinite(v) for v in values)
+    assert values[-1] < 0.85 * values[0], values
+    after = {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
+    assert after.keys() == before.keys()
+    assert all(not p.requires_grad for p in after.values())
+    assert all(torch.equal(_bits(after[n]), before[n]) for n in before)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_comfyui_applied_lora_reproduces_the_trainer_forward(quantized, fixture_paths, name):
+    diff, effect, tensors = trainer_vs_comfyui(quantized[name], LORA, None, _random_batch(1))
+    tolerance = FORMATS[name].tolerance
+    assert diff <= tolerance, (diff, tolerance)
+    assert effect > 2 * tolerance, (effect, tolerance)  # the LoRA moves the output: the check can fail
+    assert unmapped_keys(tensors, _load(quantized[name])) == set()
+    assert unmapped_keys(tensors, _load(fixture_paths.mmdit, "fp32")) == set()
+    assert len(tensors) == 3 * LINEARS
+
+
+def test_requires_grad_skips_weights_that_cannot_have_grads():
+    """Integer weights (ComfyUI-GGUF's uint8 GGMLTensor) raise on ``requires_grad_(True)``."""
+    module = torch.nn.Module()
+    module.q = torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False)
+    module.f = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    with pytest.raises(RuntimeError):
+        module.requires_grad_(True)
+    assert set_float_weights_trainable(module, True) == 1
+    assert module.f.requires_grad and not module.q.requires_grad
+    set_float_weights_trainable(module, False)
+    assert not module.f.requires_grad
+
+
+def test_host_fp8_compute_switch_forces_full_precision_matmul(comfy_root):
+    """0.3.75's per-layer layers on an fp8-compute device would cut the graph: training switches them to
+    the full-precision matmul; current ComfyUI has its own backward and is left alone."""
+    import comfy.ops
+    from pipetrainer.training.quant.guards import force_full_precision_matmul
+
+    if hasattr(comfy.ops, "QuantLinearFunc"):
+        ops = comfy.ops.mixed_precision_ops({}, torch.bfloat16)
+        model = torch.nn.Sequential(ops.Linear(4, 4))
+        assert force_full_precision_matmul(model) == 0
+        return
+    ops = comfy.ops.mixed_precision_ops({}, torch.bfloat16, full_precision_mm=False)
+    model = torch.nn.Sequential(ops.Linear(4, 4), ops.Linear(4, 4))
+    assert is_comfy_quant_linear(model[0]) and not isinstance(model[0], torch.nn.Linear)
+    assert force_full_precision_matmul(model) == 2
+    assert all(m._full_precision_mm for m in model)
+
+
+# ---- slow tier: the real training process ----------------------------------------------------
+
+TRAINED_LORA = LoraSpec(rank=8, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def trained(quantized, demo_cache, comfy_root, tmp_path_factory):
+    runs: dict[str, tuple] = {}
+
+    def run(name: str, lr: float = 1e-2):
+        key = f"{name}@{lr}"
+        if key not in runs:
+            path = quantized[name] if name in quantized else name
+            spec = make_spec(Path(path), demo_cache.items[:1], tmp_path_factory.mktemp("run") / "run", comfy_root,
+                             steps=12, dtype="bf16", lora=TRAINED_LORA, optimizer=OptimizerSpec(lr=lr, weight_decay=0.0))
+            code, events = run_training(spec)
+            assert code == 0, [e for e in events if e["type"] == "error"]
+            runs[key] = (spec, losses(events))
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "scaled_fp8", "per_layer"])
+def test_quantized_file_trains_in_the_real_process(trained, quantized, fixture_paths, demo_cache, name):
+    """12 seeded steps on one item vs an untrained control (lr 1e-7) of the same file; the saved LoRA
+    maps on the quantized base and the fp32 original, and ComfyUI applies it as the trainer computed."""
+    from pipetrainer.training.data import load_examples
+
+    _, control = trained(name, lr=1e-7)
+    spec, values = trained(name)
+    assert len(values) == 12 and all(math.isfinite(v) for v in values), values
+    assert sum(values[-4:]) < 0.8 * sum(control[-4:]), (values, control)
+    tensors = load_file(spec.lora_output)
+    assert unmapped_keys(tensors, _load(quantized[name])) == set()
+    assert unmapped_keys(tensors, _load(fixture_paths.mmdit, "fp32")) == set()
+    example = load_examples(demo_cache.items[:1])[0]
+    x0 = _load(quantized[name]).model.process_latent_in(example.latent.float()[None])
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9))
+    batch = (x0, example.cond.float()[None], example.pooled.float()[None], noise, torch.tensor([0.6]))
+    diff, effect, _ = trainer_vs_comfyui(quantized[name], TRAINED_LORA, tensors, batch)
+    assert diff <= FORMATS[name].tolerance, (diff, FORMATS[name].tolerance)
+    assert effect > 10 * FORMATS[name].tolerance, effect
+
+
+def test_stacked_loras_on_scaled_weights_are_refused_with_the_fix(quantized):
+    for name in ("scaled_fp8", "per_layer"):
+        recipe = ModelRecipe("diffusion_model", str(quantized[name]), loras=(("stacked.safetensors", 1.0),))
+        with pytest.raises(ValueError, match=r"cannot be merged into its scaled weights.*remove the LoRA loaders"):
+            load_model(recipe, "bf16")
+
+
+def test_gguf_without_comfyui_gguf_says_where_to_get_it(tmp_path):
+    recipe = ModelRecipe("gguf", str(tmp_path / "model.gguf"), extension_path=str(tmp_path / "ComfyUI-GGUF"))
+    with pytest.raises(FileNotFoundError, match=r"ComfyUI-GGUF was not found.*github.com/city96/ComfyUI-GGUF"):
+        load_model(recipe, "bf16")
