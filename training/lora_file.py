@@ -139,3 +139,17 @@ def _remove_dead_writers_temp_files(path: Path) -> None:
         pid_text = leftover.name[len(prefix):].split(".", 1)[0]
         if pid_text.isdigit() and not process_alive(int(pid_text)):
             leftover.unlink(missing_ok=True)
+
+
+def family_metadata(adapter: object, diffusion_model: object, options: object) -> dict[str, str]:
+    """LoRA metadata of the family's typed options: ``family_options`` (JSON) plus what the adapter's
+    optional ``run_metadata(diffusion_model, options)`` adds (e.g. ``wan.expert``, ``wan.expert_boundary``)."""
+    import dataclasses
+
+    out = {}
+    if dataclasses.is_dataclass(options) and dataclasses.fields(options):
+        out["family_options"] = json.dumps(dataclasses.asdict(options), sort_keys=True)
+    run_metadata = getattr(adapter, "run_metadata", None)
+    if run_metadata is not None:
+        out.update(run_metadata(diffusion_model, options))
+    return out

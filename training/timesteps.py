@@ -13,6 +13,7 @@ distributions on the range (what a Wan 2.2 high- or low-noise expert trains on).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -86,3 +87,21 @@ def sample_sigmas(n: int, spec: TimestepSpec, generator: torch.Generator, model_
                 "widen the range or change the distribution or shift.")
         sigma = kept[:n]
     return sigma.clamp_min(SIGMA_FLOOR)
+
+
+def family_timesteps(spec: TimestepSpec, adapter: object, diffusion_model: object, options: object) -> TimestepSpec:
+    """``spec`` with its sigma range narrowed to the family's (a Wan 2.2 expert's), if the adapter has one.
+
+    An adapter may define ``sigma_bounds(diffusion_model, options) -> (low, high) | None``; the user's own
+    range is kept where it is narrower. A range left empty is an error naming both."""
+    bounds_of = getattr(adapter, "sigma_bounds", None)
+    bounds = bounds_of(diffusion_model, options) if bounds_of is not None else None
+    if bounds is None:
+        return spec
+    low, high = max(spec.sigma_min, bounds[0]), min(spec.sigma_max, bounds[1])
+    if high - low < 0.01:
+        raise ValueError(
+            f"The timestep range [{spec.sigma_min}, {spec.sigma_max}] leaves (almost) nothing of this model's "
+            f"range [{bounds[0]}, {bounds[1]}] (the expert being trained): widen sigma_min/sigma_max on the "
+            "Timestep Sampling node or remove it.")
+    return dataclasses.replace(spec, sigma_min=low, sigma_max=high)
