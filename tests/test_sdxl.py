@@ -1,0 +1,270 @@
+"""SDXL beyond the generic family table: detection of the real layout, the loss targets, the size/crop vector,
+the relatives that are refused, and what crosses stage boundaries (the UNet's skip stack).
+
+ComfyUI's detection pins SDXL at 2.57 B parameters, so the real layout is built on the meta device (shapes
+only, no memory) and fed to ComfyUI's own detection; everything numeric runs on the tiny rows of
+tests/family_rows/sdxl.py, built with ComfyUI's SDXL config class.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipetrainer.tests.family_rows.sdxl import POOLED, SIZE_CROP, UNET, comfy_y, sdxl_small
+
+FULL_SDXL = {  # the shapes of a full SDXL base UNet (what ComfyUI detects as comfy.supported_models.SDXL)
+    **UNET, "adm_in_channels": 2816, "model_channels": 320, "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 4],
+    "transformer_depth": [0, 0, 2, 2, 10, 10], "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+    "transformer_depth_middle": 10, "context_dim": 2048, "num_head_channels": 64,
+}
+
+
+def _meta_state_dict() -> dict[str, torch.Tensor]:
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    unet = UNetModel(**FULL_SDXL, dtype=torch.float16, device="meta", operations=comfy.ops.disable_weight_init)
+    return unet.state_dict()
+
+
+@pytest.fixture(scope="module")
+def full_size(comfy_root):
+    """ComfyUI's detection and model class on the shapes of a full SDXL UNet (meta tensors)."""
+    import comfy.model_detection
+
+    state = _meta_state_dict()
+    config = comfy.model_detection.model_config_from_unet(state, "")
+    return state, config, config.get_model(state, "", device="meta")
+
+
+def test_full_size_sdxl_is_detected_and_trainable_on_any_split(full_size):
+    import comfy.lora
+    import comfy.model_base
+    import comfy.supported_models
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    from pipetrainer.training.loss import prediction_type
+    from pipetrainer.training.partition import describe, require_lora_on_every_stage
+    from pipetrainer.training.pipelines import checks
+    from pipetrainer.training.pipelines.base import adapter_for, family_name_for
+    from pipetrainer.training.pipelines.targets import model_targets
+
+    state, config, model = full_size
+    assert type(config) is comfy.supported_models.SDXL and type(model) is comfy.model_base.SDXL
+    assert round(sum(v.numel() for v in state.values()) / 1e9, 2) == 2.57
+    assert family_name_for(model) == "SDXL" and prediction_type(model.model_sampling) == "eps"
+    assert checks.model_support_problems(model) == []
+    adapter = adapter_for("SDXL")
+    dm = model.diffusion_model
+    assert adapter.conditioning_dims(dm) == (2048, 1280)  # CLIP-L + CLIP-G states, CLIP-G pooled
+    layers = adapter.stage_layers(dm)
+    assert len(layers) == 1 + 8 + 1 + 9 + 1 and adapter.layer_layout(dm) == [layer.swappable for layer in layers]
+
+    key_map = comfy.lora.model_lora_keys_unet(model, {})
+    counts = {}
+    for preset in ("attention", "attention_mlp", "all_linear"):
+        targets = model_targets(dm, adapter.lora_target_regex(preset))
+        assert {f"diffusion_model.{p}" for p in targets} <= set(key_map)
+        counts[preset] = len(targets)
+    # 70 transformer layers (24 down, 10 middle, 36 up) x (8 attention + 2 MLP) Linears; all_linear adds the
+    # proj_in/proj_out of 11 SpatialTransformers and the time projection of 17 ResBlocks
+    assert counts == {"attention": 560, "attention_mlp": 700, "all_linear": 700 + 22 + 17}
+
+    pipeline = [lambda x: x, *layers]  # the engine puts its input preparation first
+    weights = [0] + [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    regex = adapter.lora_target_regex("attention")
+    for stages in (2, 3, 4):
+        for parts in (partition_balanced(weights, stages), partition_uniform(len(pipeline), stages)):
+            require_lora_on_every_stage(describe(pipeline, [int(p) for p in parts], regex), "attention")
+    # Parameter balancing splits among the big 1280-channel blocks (input 7-8, middle, output 0-2);
+    # uniform leaves one stage with almost all of them: both are valid, "parameters" is the balanced one.
+    assert [int(p) for p in partition_balanced(weights, 3)] == [0, 10, 12, 21]
+    assert [int(p) for p in partition_uniform(len(pipeline), 3)] == [0, 7, 14, 21]
+
+
+def test_v_pred_flag_of_a_full_size_file_gives_v_prediction(full_size):
+    from pipetrainer.training.loss import prediction_type
+
+    state, config, _ = full_size
+    model = config.get_model({**state, "v_pred": torch.zeros(0)}, "", device="meta")
+    assert prediction_type(model.model_sampling) == "v"
+
+
+@pytest.mark.parametrize("flags, kind", [({}, "eps"), ({"v_pred": torch.zeros(0)}, "v"),
+                                         ({"v_pred": torch.zeros(0), "ztsnr": torch.zeros(0)}, "v")])
+def test_eps_and_v_targets_denoise_to_the_clean_latent_with_comfyuis_model_sampling(comfy_root, flags, kind):
+    """The trainer's target, handed to ComfyUI's own ``calculate_denoised`` as the network output, gives x0."""
+    from pipetrainer.training.loss import noisy_input_and_target, prediction_type
+
+    ms = sdxl_small(flags).model.model_sampling
+    assert prediction_type(ms) == kind
+    g = torch.Generator().manual_seed(5)
+    x0, noise = torch.randn(3, 4, 6, 5, generator=g), torch.randn(3, 4, 6, 5, generator=g)
+    sigma = torch.stack([ms.sigmas[10], ms.sigmas[500], ms.sigmas[-1]]).float()  # low, middle, highest noise
+    got = noisy_input_and_target(ms, x0, noise, sigma)
+    s = sigma.view(-1, 1, 1, 1)
+    noisy = ms.noise_scaling(s, noise, x0)
+    assert torch.allclose(ms.calculate_denoised(sigma, got.target, noisy), x0, atol=1e-4 * max(1.0, sigma.max().item()))
+    assert torch.equal(got.network_input, ms.calculate_input(s, noisy))
+    assert torch.equal(got.timestep, ms.timestep(sigma).float())
+    eps_target = noise
+    assert torch.equal(got.target, eps_target) == (kind == "eps")
+
+
+def test_default_sigmas_are_uniform_over_the_models_discrete_timesteps(comfy_root):
+    """Discrete-time SDXL: the default draws (in ComfyUI's timestep units) cover its 1000 steps evenly, and the
+    sigma quantiles are those of ``model_sampling.sigmas`` (within sampling noise, relative)."""
+    from pipetrainer.training.spec import TimestepSpec
+    from pipetrainer.training.timesteps import sample_sigmas
+
+    ms = sdxl_small().model.model_sampling
+    n = 100_000
+    sigma = sample_sigmas(n, TimestepSpec(), torch.Generator().manual_seed(1), ms)
+    share = torch.histc(ms.timestep(sigma).float(), bins=10, min=0, max=999) / n
+    assert torch.allclose(share, torch.full((10,), 0.1), atol=0.006), share  # ~6 standard deviations
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+    assert torch.allclose(torch.quantile(sigma.double(), q), torch.quantile(ms.sigmas.double(), q), rtol=0.02, atol=0)
+
+
+def test_size_crop_vector_is_what_comfyui_feeds_the_unet(comfy_root):
+    """Without a cached ``size_crop`` the ``y`` vector is what ComfyUI's sampler builds for a plain text
+    conditioning of that latent (``encode_model_conds``); with one, ComfyUI's ``encode_adm`` of those values."""
+    import comfy.samplers
+    from pipetrainer.training.pipelines.base import Batch, adapter_for
+
+    model = sdxl_small().model
+    adapter = adapter_for("SDXL")
+    g = torch.Generator().manual_seed(2)
+    noisy = torch.randn(1, 4, 9, 7, generator=g)
+    cond, pooled = torch.randn(1, 5, 32, generator=g), torch.randn(1, POOLED, generator=g)
+    conds = [{"cross_attn": cond, "pooled_output": pooled, "model_conds": {}}]
+    sampler = comfy.samplers.encode_model_conds(model.extra_conds, conds, noisy, "cpu", "positive")
+    expected = sampler[0]["model_conds"]["y"].cond
+    batch = Batch(noisy, torch.zeros(1), cond, pooled)
+    assert torch.equal(adapter.first_stage_inputs(batch)[3], expected)
+
+    sizes = torch.tensor([SIZE_CROP], dtype=torch.int64)
+    y = adapter.first_stage_inputs(Batch(noisy, torch.zeros(1), cond, pooled, extras={"size_crop": sizes}))[3]
+    assert torch.equal(y, comfy_y(pooled, SIZE_CROP)) and not torch.equal(y, expected)
+
+
+def test_relatives_are_refused_by_name(comfy_root):
+    import comfy.model_base
+    import comfy.supported_models
+    from pipetrainer.training.pipelines import checks
+    from pipetrainer.training.pipelines.base import UnknownFamilyError, family_name_for
+
+    ip2p = sdxl_small(unet={**UNET, "in_channels": 8}, config_class=comfy.supported_models.SDXL_instructpix2pix).model
+    inpaint = sdxl_small(unet={**UNET, "in_channels": 9}).model
+    for model in (ip2p, inpaint):
+        assert family_name_for(model) == "SDXL"
+        assert any("InstructPix2Pix" in p for p in checks.model_support_problems(model))
+    playground = sdxl_small({"edm_mean": torch.zeros(4), "edm_std": torch.ones(4)}).model  # Playground 2.5
+    assert any("EDM" in p for p in checks.model_support_problems(playground))
+    refiner = object.__new__(comfy.model_base.SDXLRefiner)  # only its class matters to the registry
+    with pytest.raises(UnknownFamilyError, match="SDXLRefiner"):
+        family_name_for(refiner)
+
+
+def test_every_stage_boundary_sends_distinct_tensors_that_the_rest_uses(comfy_root):
+    """Cut the layer list anywhere: no tensor appears twice in the tuple (a boundary would send it twice),
+    and every float tensor of the tuple gets a gradient from the layers after the cut (the engine's rule:
+    a received tensor the receiver does not use leaves its gradient undefined)."""
+    from pipetrainer.training.pipelines.base import Batch, adapter_for
+
+    model = sdxl_small().model
+    adapter = adapter_for("SDXL")
+    layers = adapter.stage_layers(model.diffusion_model)
+    g = torch.Generator().manual_seed(4)
+    batch = Batch(torch.randn(1, 4, 7, 5, generator=g), torch.tensor([500.0]), torch.randn(1, 5, 32, generator=g),
+                  torch.randn(1, POOLED, generator=g))
+    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in adapter.first_stage_inputs(batch))
+    for cut in range(len(layers) + 1):
+        if cut:
+            with torch.no_grad():
+                out = layers[cut - 1](out)
+        if cut == len(layers):
+            break
+        assert len({id(t) for t in out}) == len(out), cut
+        sent = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in out)
+        rest = sent
+        for layer in layers[cut:]:
+            rest = layer(rest)
+        floats = [t for t in sent if t.is_floating_point()]
+        grads = torch.autograd.grad(rest.square().mean(), floats, allow_unused=True)
+        assert all(gr is not None for gr in grads), (cut, [gr is None for gr in grads])
+
+
+THIS = "pipetrainer.tests.test_sdxl"
+
+
+def two_training_steps(rank: int, world: int) -> dict:
+    """On a gloo rank: 2 steps of the tiny SDXL row through DeepSpeed's pipeline engine in ``world`` stages
+    (uniform split), the engine's own first layer, contiguity hook, LoRA injection and stage engine."""
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    from pipetrainer.devkit.host import comfyui_root
+    from pipetrainer.patches.deepspeed_shm import disable_shm_comm_build
+    from pipetrainer.training.comfy_env import enable_comfy_training_mode, use_comfyui
+
+    use_comfyui(comfyui_root(), "cpu")
+    enable_comfy_training_mode()
+    disable_shm_comm_build()
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from pipetrainer.patches.deepspeed_stage_engine import build_stage_engine
+    from pipetrainer.training.engine import _contiguous_outputs, _inputs_need_grad
+    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.loss import mse_loss, noisy_input_and_target
+    from pipetrainer.training.pipelines.base import Batch, adapter_for
+    from pipetrainer.training.spec import LoraSpec
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    model = sdxl_small().model
+    adapter = adapter_for("SDXL")
+    layers = adapter.stage_layers(model.diffusion_model)
+    for layer in layers:
+        layer.register_forward_hook(_contiguous_outputs)
+    module = PipelineModule(layers=[_inputs_need_grad, *layers], num_stages=world, loss_fn=mse_loss,
+                            partition_method="uniform", dynamic_shape=True)
+    local = [(int(name), layer) for name, layer in module.named_children() if name.isdigit()]
+    inject_lora(local, adapter.lora_target_regex("attention_mlp"), LoraSpec(rank=4, alpha=4.0), seed=0)
+    params = freeze_all_but_lora(module)
+    # SGD: Adam would blow fp32 rounding on near-zero gradients up to whole steps of size lr
+    engine = build_stage_engine(module, torch.optim.SGD(params, lr=0.1), None, params, {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+        "steps_per_print": 10**9, "gradient_clipping": 0.0})
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        ms = model.model_sampling
+        while True:
+            x0 = model.process_latent_in(torch.randn(1, 4, 7, 5, generator=g))
+            noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), ms.sigmas[[300]].float())
+            batch = Batch(noised.network_input, noised.timestep, torch.randn(1, 5, 32, generator=g),
+                          torch.randn(1, POOLED, generator=g), extras={"size_crop": torch.tensor([SIZE_CROP])})
+            yield adapter.first_stage_inputs(batch), noised.target
+
+    data = batches()
+    losses = [float(engine.train_batch(data)) for _ in range(2)]
+    lora = {name: p.detach().double().sum().item() for name, p in module.named_parameters() if p.requires_grad}
+    return {"losses": losses, "lora": lora}
+
+
+@pytest.mark.slow
+def test_two_steps_in_one_and_two_stages_train_alike(comfy_root, tmp_path):
+    """The skip stack crosses a real DeepSpeed stage boundary (gloo, the engine's pieces): the losses and
+    the trained LoRA of a 2-stage run equal the 1-stage run's (the LoRA to rounding). (No detected SDXL file is small enough
+    for the process-tree test of the family table: detection pins 2.57 B parameters.)"""
+    from pipetrainer.tests.gloo_ranks import run_on_gloo_ranks
+
+    (one,) = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp_path, world=1, collective_timeout_s=120)
+    two = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp_path, world=2, collective_timeout_s=120)
+    assert len(one["losses"]) == 2 and one["losses"] != [0.0, 0.0] and one["losses"][0] != one["losses"][1]
+    assert two[0]["losses"] == two[1]["losses"] == one["losses"]
+    merged = {**two[0]["lora"], **two[1]["lora"]}
+    assert set(two[0]["lora"]) and set(two[1]["lora"]) and not set(two[0]["lora"]) & set(two[1]["lora"])
+    # Not bitwise: a skip tensor feeds the next input block and, maybe on another stage, its output block,
+    # so its gradient is summed in another order when the stages split (fp32 rounding, ~1e-7 relative).
+    assert merged.keys() == one["lora"].keys()
+    assert all(abs(merged[k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in one["lora"].items())
