@@ -79,7 +79,8 @@ def measure(device, model_path: Path, blocks_to_swap: int, steps: int, warmup: i
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     result = {"blocks_to_swap": blocks_to_swap, "s_per_step": statistics.median(times), "best_s": min(times),
-              "loads": swapper.loads if swapper else 0}
+              "loads": swapper.loads if swapper else 0,
+              "host": swapper.host_bytes() if swapper else (0, 0)}  # (pinned, weight) bytes, flat buffers
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["resident_gib"] = torch.cuda.memory_allocated(device) / 2**30
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['best_s']:.4f}), {r['loads']} block loads")
         if "peak_gib" in r:
             line += f", peak GPU {r['peak_gib'] * 1024:.1f} MiB, after step {r['resident_gib'] * 1024:.1f} MiB"
+        if r["blocks_to_swap"]:
+            pinned, weights = r["host"]
+            line += f", host copies pinned {pinned / 2**20:.2f} MiB for {weights / 2**20:.2f} MiB of weights"
         print(line)
     base, swap = rows
     print(f"overhead: {swap['s_per_step'] / base['s_per_step']:.2f}x s/step with {blocks - 1} of {blocks} blocks swapped")

@@ -38,7 +38,10 @@ minutes as well (``--time-limit`` guards it).
 - host RSS: the process's resident set (``VmRSS``), the largest value sampled after each timed step;
   it holds the frozen weights that are in host memory (pinned for swapped blocks), the LoRA snapshot,
   the Python/CUDA runtime, and whatever the allocators keep (torch's pinned-memory cache rounds each
-  block up to a power of two; ``pinned_gib`` in the JSON shows it).
+  allocation up to a power of two; ``pinned_gib`` in the JSON shows what it holds).
+- pinned / weights GiB: the swapped blocks' host copies, one flat buffer per block pinned in place
+  (training/offload/host_buffer.py): bytes pinned against the weights' own bytes (the JSON's
+  ``swap_pinned_gib`` / ``swap_weight_gib``); per-tensor ``pin_memory()`` held ~1.5x.
 - MFU, PaLM's definition (the rematerialised forward of activation checkpointing is not counted):
 
       F_base = 2 · Σ rows · in_features · out_features over every call of a frozen Linear in one forward
@@ -132,6 +135,7 @@ class Result:
     host_rss_gib: float = 0.0
     pinned: dict = field(default_factory=dict)  # torch's pinned-host allocator, GiB (see pinned_gib)
     block_loads: int = 0
+    swap_host: tuple = ()  # (pinned GiB, weight GiB) of the swapper's flat host buffers
     error: str = ""
 
     @property
@@ -333,6 +337,8 @@ def run_case(bundle: Bundle, case: Case, settings: Settings, device) -> Result:
             result.reserved_vram_gib = torch.cuda.max_memory_reserved(device) / 2**30
             result.pinned = pinned_gib()
         result.block_loads = swapper.loads if swapper else 0
+        if swapper is not None:
+            result.swap_host = tuple(b / 2**30 for b in swapper.host_bytes())
         if not all(math.isfinite(v) for v in result.losses):
             result.error = f"non-finite loss: {result.losses}"
     except Exception as exc:  # report every case, then fail at the end
@@ -371,6 +377,8 @@ def record(result: Result, settings: Settings, flops: Flops | None, peak: float 
             "tokens_per_s": settings.tokens / s if s else None,
             "peak_vram_gib": result.peak_vram_gib, "reserved_vram_gib": result.reserved_vram_gib,
             "host_rss_gib": result.host_rss_gib, "pinned_gib": result.pinned, "block_loads": result.block_loads,
+            "swap_pinned_gib": result.swap_host[0] if result.swap_host else None,
+            "swap_weight_gib": result.swap_host[1] if result.swap_host else None,
             "losses": result.losses}
     if flops is not None:
         line["model_flops_per_step"] = flops.model
@@ -401,7 +409,7 @@ def _num(value: float | None, fmt: str) -> str:
 def table(lines: list[dict], base: dict | None) -> str:
     """The cases as a table; × columns are ratios to ``base`` (the bf16 blocks_to_swap 0 case)."""
     head = (f"{'case':<26} {'s/step':>8} {'×':>5} {'tokens/s':>9} {'MFU':>6} {'VRAM GiB':>9} {'×':>5} "
-            f"{'RSS GiB':>8} {'×':>5}  {'loss first -> last':<20} status")
+            f"{'RSS GiB':>8} {'×':>5} {'pinned/weights GiB':>18}  {'loss first -> last':<20} status")
     rows = [head, "-" * len(head)]
     b = base or {}
     for r in lines:
@@ -409,9 +417,11 @@ def table(lines: list[dict], base: dict | None) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
         loss = f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"
         status = "ok" if r["ok"] else "FAILED: " + r["error"]
+        pinned = (f"{r['swap_pinned_gib']:.2f}/{r['swap_weight_gib']:.2f}"
+                  if r.get("swap_weight_gib") is not None else "-")
         rows.append(f"{r['case']:<26} {_num(s, '.3f'):>8} {_ratio(s, b.get('s_per_step')):>5} "
                     f"{_num(r['tokens_per_s'], '.0f'):>9} {mfu:>6} {_num(vram, '.2f'):>9} "
-                    f"{_ratio(vram, b.get('peak_vram_gib')):>5} {rss:>8.2f} {_ratio(rss, b.get('host_rss_gib')):>5}  "
+                    f"{_ratio(vram, b.get('peak_vram_gib')):>5} {rss:>8.2f} {_ratio(rss, b.get('host_rss_gib')):>5} {pinned:>18}  "
                     f"{loss:<20} {status}")
     return "\n".join(rows)
 

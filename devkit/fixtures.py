@@ -15,6 +15,7 @@ from pathlib import Path
 
 MMDIT_FILE = "pipetrainer-tiny-mmdit.safetensors"
 FLUX_FILE = "pipetrainer-min-flux.safetensors"
+FLUX_BALANCED_FILE = "pipetrainer-min-flux-2d0s.safetensors"  # two equal pipeline halves (memory tests)
 CLIP_FILE = "pipetrainer-tiny-clip-l.safetensors"
 VAE_FILE = "pipetrainer-tiny-taesd16.safetensors"
 DEMO_DATASET = "pipetrainer_demo"
@@ -136,12 +137,12 @@ def flux_params(**params) -> dict:
     return {**{k: v for k, v in flux1.items() if k in fields}, **params}
 
 
-def build_min_flux(path: Path, seed: int = 77) -> Path:
+def build_min_flux(path: Path, seed: int = 77, double_blocks: int = 1, single_blocks: int = 1) -> Path:
     """The smallest Flux ComfyUI detects: hidden 3072, 1 double + 1 single block, 768-d context/vec.
 
     Detection pins 24 heads and rotary axes [16, 56, 56] (so hidden 3072): 525 M parameters, bf16 on
-    disk. ``comfy.sd.load_diffusion_model`` detects it as ``Flux`` with no missing or unexpected keys
-    (tests/test_flux.py). The module is built on the meta device: only its key names, shapes and
+    disk (other block counts: see :func:`build_balanced_flux`). ``comfy.sd.load_diffusion_model``
+    detects it as ``Flux`` with no missing or unexpected keys (tests/test_flux.py). The module is built on the meta device: only its key names, shapes and
     dtypes are used, so it needs no memory (the file's bytes are the same as with a real module).
     """
     import torch
@@ -151,13 +152,25 @@ def build_min_flux(path: Path, seed: int = 77) -> Path:
     model = Flux(
         image_model="flux", operations=torch.nn, dtype=torch.bfloat16, device="meta",
         **flux_params(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=768, hidden_size=3072,
-                      mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
-                      theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False),
+                      mlp_ratio=4.0, num_heads=24, depth=double_blocks, depth_single_blocks=single_blocks,
+                      axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False),
     )
     state = _randomize(model.state_dict(), seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+def build_balanced_flux(path: Path, seed: int = 77) -> Path:
+    """Flux-min with 2 double blocks and no single block (723 M parameters): two equal pipeline halves.
+
+    A double block (340 M) is 2.4 single blocks (142 M), and the embedders (25 M) and the final layer
+    (19 M) are alike, so (embed, double) | (double, final) splits the weights 50/50, where the 1 + 1
+    layout gives the first stage 69 % and 1 + 2 gives 55 %. Per-rank memory is asserted on this one
+    (tests/test_stage_memory.py); a rank's fixed cost (imports, ~0.55 GB) leaves no room for an
+    unbalanced split under the 0.6x criterion.
+    """
+    return build_min_flux(path, seed, double_blocks=2, single_blocks=0)
 
 
 WAN_T2V_FILE = "pipetrainer-tiny-wan-t2v.safetensors"
@@ -241,7 +254,7 @@ def build_demo_dataset(folder: Path, size: int = 64, seed: int = 5) -> Path:
     return folder
 
 
-def ensure_fixtures(comfyui: Path, *, flux: bool = False) -> FixturePaths:
+def ensure_fixtures(comfyui: Path, *, flux: bool = False, balanced_flux: bool = False) -> FixturePaths:
     """Build whatever fixture is missing under a ComfyUI tree's ``models`` and ``input`` folders."""
     models = comfyui / "models"
     paths = FixturePaths(
@@ -259,6 +272,9 @@ def ensure_fixtures(comfyui: Path, *, flux: bool = False) -> FixturePaths:
     flux_path = models / "diffusion_models" / FLUX_FILE
     if flux and not flux_path.exists():
         _build_atomically(flux_path, build_min_flux)
+    balanced = models / "diffusion_models" / FLUX_BALANCED_FILE
+    if balanced_flux and not balanced.exists():
+        _build_atomically(balanced, build_balanced_flux)
     return paths
 
 

@@ -54,6 +54,25 @@ def flux_path(comfy_root) -> Path:
 
 
 @pytest.fixture(scope="session")
+def balanced_flux_path(comfy_root) -> Path:
+    """Flux-min with two equal pipeline halves (devkit.fixtures.build_balanced_flux)."""
+    from pipetrainer.devkit.fixtures import FLUX_BALANCED_FILE
+
+    ensure_fixtures(comfy_root, balanced_flux=True)
+    return comfy_root / "models" / "diffusion_models" / FLUX_BALANCED_FILE
+
+
+@pytest.fixture(scope="session")
+def balanced_flux_one_stage(balanced_flux_path, demo_cache, comfy_root, tmp_path_factory):
+    """Three steps of the balanced Flux-min, one pipeline stage, in the real process tree: ``(spec, events)``.
+    Shared by the Flux training test and the 2-stage memory test (its oracle)."""
+    from pipetrainer.tests.helpers import train_min_flux
+
+    return train_min_flux(balanced_flux_path, demo_cache.items, tmp_path_factory.mktemp("flux1") / "run",
+                          comfy_root, 1)
+
+
+@pytest.fixture(scope="session")
 def server(comfy_root, fixture_paths, tmp_path_factory):
     """One real ComfyUI server with this pack, shared by the server tests."""
     log = tmp_path_factory.mktemp("server") / "comfyui.log"

@@ -30,6 +30,15 @@ def make_spec(model_path: Path, items, run_dir: Path, comfy_root: Path, **train)
     ).validated()
 
 
+def train_min_flux(model_path: Path, items, run_dir: Path, comfy_root: Path, stages: int) -> tuple[RunSpec, list[dict]]:
+    """Three steps of a Flux-min fixture through the real process tree (attention LoRA, fp32); asserts success."""
+    spec = make_spec(model_path, items, run_dir, comfy_root, steps=3, pipeline_stages=stages,
+                     lora=LoraSpec(rank=4, alpha=4.0, targets="attention"))
+    code, events = run_training(spec, timeout=900)
+    assert code == 0, [e for e in events if e["type"] == "error"]
+    return spec, events
+
+
 def with_changes(spec: RunSpec, **changes) -> RunSpec:
     return dataclasses.replace(spec, **changes)
 

@@ -136,6 +136,65 @@ def test_frozen_weights_live_on_the_host_copy_between_uses(fixture_paths):
     assert swapper.loads == 2
 
 
+def _frozen_tensors(block) -> dict[str, torch.Tensor]:
+    return {**{n: p for n, p in block.named_parameters() if not p.requires_grad}, **dict(block.named_buffers())}
+
+
+def test_each_block_host_copy_is_views_into_one_flat_buffer_of_its_exact_size(fixture_paths):
+    """One host allocation per swapped block (pinned in place on CUDA; torch's pinned allocator would round
+    each tensor up to a power of two): every frozen tensor of the block is a view into it, the views do
+    not overlap, the buffer is the tensors' bytes plus alignment, and the stage computes the same."""
+    from pipetrainer.training.offload.host_buffer import ALIGN
+
+    adapter, layers = _stage_layers(fixture_paths)
+    ref_out, ref_grads = _step(adapter, layers)
+    blocks = [layer for layer in layers if layer.swappable][-2:]
+    before = [{n: t.detach().clone() for n, t in _frozen_tensors(b).items()} for b in blocks]
+    swapper = BlockSwapper(blocks, "cpu", transfer=_copying_transfer).attach()
+    assert len(swapper.host_buffers) == len(blocks)
+    for block, original, packed in zip(blocks, before, swapper.host_buffers, strict=True):
+        hosts = _frozen_tensors(block)
+        assert hosts.keys() == original.keys() and len(hosts) > 10
+        base = packed.buffer.untyped_storage().data_ptr()
+        spans = []
+        for name, t in hosts.items():
+            assert t.untyped_storage().data_ptr() == base, name  # a view into the block's one buffer
+            assert t.dtype == original[name].dtype and torch.equal(t, original[name]), name
+            start = t.storage_offset() * t.element_size()
+            spans.append((start, start + t.numel() * t.element_size()))
+            assert start % ALIGN == 0
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
+        weight = sum(t.numel() * t.element_size() for t in original.values())
+        assert packed.weight_bytes == weight and spans[-1][1] == packed.nbytes
+        assert weight <= packed.nbytes < weight + ALIGN * len(original)
+    assert swapper.host_bytes() == (0, sum(p.weight_bytes for p in swapper.host_buffers))  # no pinning on CPU
+    out, grads = _step(adapter, layers)
+    assert torch.equal(out, ref_out) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_host_buffer_layout_holds_any_dtype_and_leaves_tensor_subclasses_alone():
+    from pipetrainer.training.offload.host_buffer import ALIGN, HostBuffer, buffer_layout, is_packable
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.arange(3, dtype=torch.uint8), torch.randn(5, 7, generator=g),
+               torch.randn(3, generator=g).to(torch.bfloat16), torch.tensor(2.5, dtype=torch.float64),
+               torch.zeros(0, 4), torch.randn(4, 6, generator=g).t()]  # the last one is not contiguous
+    offsets, total = buffer_layout(tensors)
+    # 3 B at 0; 140 B at 64; 6 B at 256 (after 204); 8 B at 320; 0 B and 96 B at 384 (after 328)
+    assert offsets == [0, 64, 256, 320, 384, 384] and total == 384 + 96
+    packed = HostBuffer(tensors)
+    assert packed.nbytes == total and not packed.pinned and all(o % ALIGN == 0 for o in offsets)
+    for view, t in zip(packed.views, tensors, strict=True):
+        assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
+        assert view.untyped_storage().data_ptr() == packed.buffer.untyped_storage().data_ptr()
+
+    class Quantized(torch.Tensor):  # stands for ComfyUI-GGUF's GGMLTensor: attributes a byte view would drop
+        pass
+
+    assert is_packable(torch.nn.Parameter(torch.ones(2))) and not is_packable(torch.ones(2).as_subclass(Quantized))
+
+
 def test_blocks_to_swap_limits_per_stage():
     assert uniform_boundaries(6, 2) == [0, 3, 6] and uniform_boundaries(7, 3) == [0, 3, 5, 7]
     assert uniform_boundaries(2, 3) == [0, 1, 2, 2]

@@ -6,6 +6,10 @@ compute device is CUDA, so copies are asynchronous) and loading each block just 
 trades PCIe bandwidth for memory. LoRA parameters (``requires_grad`` True) never move: the optimizer
 and DeepSpeed hold them, and they are small.
 
+Host copies: each block's frozen tensors are packed into one flat host buffer, of exactly their size,
+as views (host_buffer.py), and that buffer is pinned in place when the compute device is CUDA;
+``Tensor.pin_memory()`` per tensor would round every allocation up to a power of two.
+
 How: a forward pre-hook loads the block (on a side CUDA stream; the compute stream waits on an event,
 and every loaded tensor is ``record_stream``-ed on the compute stream so the caching allocator does not
 reuse its memory before the compute stream is done) and starts loading the next swapped block on the
@@ -37,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from .host_buffer import HostBuffer, is_packable
 
 Transfer = Callable[[torch.Tensor, torch.device], torch.Tensor]
 """Copies a host tensor to the compute device (injectable: tests use a copy that is distinguishable on CPU)."""
@@ -106,6 +112,7 @@ class BlockSwapper:
         self._blocks = [_Block(i, m, []) for i, m in enumerate(blocks)]
         self._by_module = {id(b.module): b for b in self._blocks}
         self._handles: list[RemovableHandle] = []
+        self.host_buffers: list[HostBuffer] = []  # one per block (flat, views installed in the modules)
         self._last_position: int | None = None
         self.peak_resident = 0
         self.loads = 0
@@ -113,9 +120,10 @@ class BlockSwapper:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def attach(self) -> BlockSwapper:
         """Move the blocks' frozen tensors to the offload device and start swapping."""
+        hosts: dict[int, torch.Tensor] = {}  # shared tensors keep one host copy
         for block in self._blocks:
             block.slots = frozen_slots(block.module)
-            hosts: dict[int, torch.Tensor] = {}  # shared tensors keep one host copy
+            self._pack_block(block.slots, hosts)
             for slot in block.slots:
                 if id(slot.host) not in hosts:
                     hosts[id(slot.host)] = self._to_host(slot.host, slot.is_parameter)
@@ -135,6 +143,29 @@ class BlockSwapper:
             for slot in block.slots:
                 _install(slot, _plain(slot.host, slot.is_parameter).to(self.compute_device))
         self._sync()
+        for packed in self.host_buffers:
+            packed.release()
+
+    def _pack_block(self, slots: list[_Slot], hosts: dict[int, torch.Tensor]) -> None:
+        """Copy the block's plain frozen tensors into one flat host buffer; record each view in ``hosts``
+        (by the id of the tensor it replaces). Only for host offloading: other devices use ``_to_host``."""
+        if self.offload_device.type != "cpu":
+            return
+        todo: dict[int, _Slot] = {}
+        for slot in slots:
+            if id(slot.host) not in hosts and id(slot.host) not in todo and is_packable(slot.host):
+                todo[id(slot.host)] = slot
+        if not todo:
+            return
+        packed = HostBuffer([slot.host for slot in todo.values()], pin=self.pin_memory)
+        self.host_buffers.append(packed)
+        for key, slot, view in zip(todo, todo.values(), packed.views, strict=True):
+            hosts[key] = nn.Parameter(view, requires_grad=False) if slot.is_parameter else view
+
+    def host_bytes(self) -> tuple[int, int]:
+        """``(pinned bytes, weight bytes)`` of the host copies in flat buffers: pinned is 0 off CUDA."""
+        pinned = sum(b.nbytes for b in self.host_buffers if b.pinned)
+        return pinned, sum(b.weight_bytes for b in self.host_buffers)
 
     def _to_host(self, tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
         host = tensor.detach().to(self.offload_device)
