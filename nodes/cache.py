@@ -9,6 +9,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.cache.encoders import text_encoder_problems
+from ..training.cache.keys import TEXT_STORE_DTYPES
 from ..training.cache.store import build_cache
 from . import preflight
 from .progress_text import show_text
@@ -32,13 +33,21 @@ class PipeTrainerCache(io.ComfyNode):
             description="Encodes images/videos to latents and captions to text embeddings, keyed by content, "
                         "preprocessing and encoder identity (weights, dtype, clip skip, tokenizer options, "
                         "text-encoder LoRAs), so a changed file, caption, bucket or encoder can never reuse "
-                        "stale data. Reports cached / reused / re-encoded (why) / skipped (why).",
+                        "stale data. Reference images of an edit dataset (the Dataset node's control folder) are "
+                        "encoded with the same VAE at their target's bucket size into the target's entry; a changed "
+                        "reference re-encodes its item only. Reports cached / reused / re-encoded (why) / skipped "
+                        "(why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
-                io.Vae.Input("vae", tooltip="The VAE of the model family you train."),
+                io.Vae.Input("vae", tooltip="The VAE of the model family you train; it also encodes the "
+                             "dataset's reference images, if any."),
                 io.Clip.Input("clip", tooltip="The text encoder(s) of the model family you train. Clip skip "
                               "(CLIP Set Last Layer), tokenizer options and LoRAs loaded onto it are part of "
                               "the cache key: change one and the captions are encoded again."),
+                io.Combo.Input("text_dtype", options=list(TEXT_STORE_DTYPES), default="bf16", optional=True,
+                               tooltip="Dtype the text embeddings are stored in: set it to the Train node's "
+                                       "training_dtype. bf16 halves the cache and what each training rank reads; "
+                                       "caches written in fp32 before still load."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -46,7 +55,7 @@ class PipeTrainerCache(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, vae, clip) -> io.NodeOutput:
+    def execute(cls, dataset, vae, clip, text_dtype: str = "bf16") -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
@@ -56,7 +65,7 @@ class PipeTrainerCache(io.ComfyNode):
         problems = text_encoder_problems(clip) or preflight.cache_problems(dataset, vae, clip, cache_root())
         if problems:
             raise ValueError("\n".join(problems))
-        result = build_cache(dataset, vae, clip, cache_root(), progress)
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

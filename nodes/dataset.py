@@ -1,4 +1,5 @@
-"""``Dataset``: a folder of images and videos with same-name .txt captions, plus bucket settings."""
+"""``Dataset``: a folder of images and videos with same-name .txt captions, plus bucket settings and an
+optional control folder of reference images (edit models: the training image is the target)."""
 
 from __future__ import annotations
 
@@ -63,17 +64,24 @@ class PipeTrainerDataset(io.ComfyNode):
                                tooltip="Videos are resampled to this frame rate before cutting frame buckets."),
                 io.Int.Input("max_frames", default=33, min=1, max=1024, optional=True,
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames."),
+                io.String.Input("control_folder", default="", optional=True,
+                                tooltip="Edit models (Kontext, Qwen-Image-Edit): folder of reference images "
+                                        "named like the training images: name.png is the first reference of "
+                                        "training image name, name_1.png the second, and so on. Every training "
+                                        "image needs one; unpaired files are errors. Relative paths are inside "
+                                        "ComfyUI's input folder; empty = no references."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, **_settings) -> str:
-        """Re-run when a file in the folder changes, not only when an input does."""
+    def fingerprint_inputs(cls, folder: str, control_folder: str = "", **_settings) -> str:
+        """Re-run when a file in the folder or the control folder changes, not only when an input does."""
         if not folder.strip():  # execute refuses it; do not fingerprint the whole input folder first
             return ""
-        return folder_fingerprint(resolve_folder(folder))
+        control = folder_fingerprint(resolve_folder(control_folder)) if control_folder.strip() else ""
+        return folder_fingerprint(resolve_folder(folder)) + control
 
     @classmethod
     def validate_inputs(cls, extra_resolutions: str | None = None) -> bool | str:
@@ -100,13 +108,14 @@ class PipeTrainerDataset(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str, aspect_buckets: int = 1,
                 min_ratio: float = 0.5, max_ratio: float = 2.0, extra_resolutions: str = "",
-                video_fps: float = 16.0, max_frames: int = 33) -> io.NodeOutput:
+                video_fps: float = 16.0, max_frames: int = 33, control_folder: str = "") -> io.NodeOutput:
         if not folder.strip():
             raise ValueError("folder is empty: give a folder of captioned images.")
         try:
             settings = cls.bucket_settings(resolution, aspect_buckets, min_ratio, max_ratio, extra_resolutions,
                                            video_fps, max_frames)
-            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings)
+            control = resolve_folder(control_folder) if control_folder.strip() else None
+            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings, control)
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
         return io.NodeOutput(dataset, dataset.report())

@@ -318,13 +318,15 @@ def _vae_geometry(vae: VAE) -> tuple[int, int, Callable[[int], int]]:
 
 
 def dataset_latent_elements(dataset: DatasetSpec, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
-    """Latent elements of every item at every training resolution (videos at their largest frame bucket)."""
+    """Latent elements of every item at every training resolution (videos at their largest frame bucket,
+    plus one image latent per reference image)."""
     settings = getattr(dataset, "bucket_settings", None)
     resolutions = settings.resolutions if settings is not None else (dataset.resolution,)
     max_frames = settings.max_frames if settings is not None else 1
     total = 0
     for entry in dataset.entries:
         frames = latent_frames(max_frames) if getattr(entry, "is_video", False) else 1
+        frames += len(getattr(entry, "references", ()))  # each reference: one image latent of the item's size
         total += sum(channels * frames * (res // downscale) ** 2 for res in resolutions)
     return total
 

@@ -20,7 +20,7 @@ from ..training.spec import PARTITION_METHODS, TRAIN_DTYPES, RunSpec, SpecError,
 from . import checkpoints, graph_patches, paths, preflight, run_messages, run_process
 from .launch import launch_settings, resolve_gpus
 from .loss_plot import as_image_tensor, loss_curve
-from .model_source import recipe_of
+from .model_source import no_recipe_message, recipe_of
 from .progress_text import show_text
 from .stacked_loras import write_stacked_loras
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig
@@ -132,8 +132,7 @@ class PipeTrainerTrain(io.ComfyNode):
         problems = paths.lora_name_problems(lora_name)
         recipe = recipe_of(model)
         if recipe is None:
-            problems.append("The MODEL was not loaded by 'Load Diffusion Model (PipeTrainer)': use that node so the "
-                            "training process can load the same weights.")
+            problems.append(no_recipe_message(model))
         family_options: dict = {}
         try:
             family = family_name_for(model.model)

@@ -230,8 +230,12 @@ def test_default_sigmas_follow_the_models_schedule(row, comfy_root, fixture_path
 
     ms = _load(row, comfy_root, fixture_paths).model.model_sampling
     q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
-    got = torch.quantile(sample_sigmas(40_000, TimestepSpec(), torch.Generator().manual_seed(0), ms).double(), q)
-    assert torch.allclose(got, torch.quantile(ms.sigmas.double(), q), atol=0.012), got
+
+    def position(sigmas):  # the sigma on flow models; the discrete step / 999 on eps and v models
+        return ms.timestep(sigmas.double()).double() / float(ms.timestep(ms.sigma_max.double()))
+
+    got = torch.quantile(position(sample_sigmas(40_000, TimestepSpec(), torch.Generator().manual_seed(0), ms)), q)
+    assert torch.allclose(got, torch.quantile(position(ms.sigmas), q), atol=0.012), got
 
 
 def test_preflight_reads_the_family_rules_without_building_stage_layers(row, comfy_root, fixture_paths, monkeypatch):

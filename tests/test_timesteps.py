@@ -43,7 +43,13 @@ def _sampling_of(config_class: str, unet_config: dict, model_type: str):
 FAMILY_SAMPLING = {
     "SD3": ("SD3", {"in_channels": 16, "pos_embed_scaling_factor": None}, "FLOW"),
     "Flux": ("Flux", {"image_model": "flux", "guidance_embed": True}, "FLUX"),
+    "Flux2": ("Flux2", {"image_model": "flux2", "hidden_size": 6144}, "FLUX"),  # mu 2.02
+    "Chroma": ("Chroma", {"image_model": "chroma"}, "FLUX"),  # mu 1.15, as Flux
     "Wan": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v"}, "FLOW"),  # shift 8.0
+    "HunyuanVideo": ("HunyuanVideo", {"image_model": "hunyuan_video"}, "FLOW"),  # shift 7.0
+    "Lumina2": ("Lumina2", {"image_model": "lumina2"}, "FLOW"),  # shift 6.0 (Z-Image's config: 3.0)
+    "QwenImage": ("QwenImage", {"image_model": "qwen_image"}, "FLUX"),  # mu 1.15
+    "SDXL": ("SDXL", {"model_channels": 320, "adm_in_channels": 2816}, "EPS"),  # 1000 discrete steps
 }
 
 
@@ -57,9 +63,15 @@ def test_every_registered_family_has_a_sampling_row():
 def test_default_sigmas_follow_the_models_own_inference_schedule(comfy_root, family):
     """Uniform + the model's shift = the distribution of the sigmas ComfyUI's schedule visits."""
     ms = _sampling_of(*FAMILY_SAMPLING[family])
-    expected = _quantiles(ms.sigmas)  # ComfyUI's schedule on a uniform timestep grid
-    got = _quantiles(_draw(TimestepSpec(), ms))
+    expected = _quantiles(_schedule_position(ms, ms.sigmas))  # ComfyUI's schedule on a uniform timestep grid
+    got = _quantiles(_schedule_position(ms, _draw(TimestepSpec(), ms)))
     assert torch.allclose(got, expected, atol=TOLERANCE), (family, got, expected)
+
+
+def _schedule_position(ms, sigmas: torch.Tensor) -> torch.Tensor:
+    """Sigmas as the model's own timestep over its largest (in [0, 1]): equal to the sigma on flow models,
+    the discrete step / 999 on eps and v models, whose sigmas span 0.03..15 and so need a common scale."""
+    return ms.timestep(sigmas.double()).double() / float(ms.timestep(ms.sigma_max.double()))
 
 
 def test_flux_trains_with_its_effective_shift_not_mu(comfy_root):

@@ -36,14 +36,16 @@ class Example:
     cond: torch.Tensor | None  # [T, D]; None on a rank that builds no model inputs (the last stage)
     pooled: torch.Tensor | None  # [D]
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the family's named extras (ExtraSpec)
+    latent_extra_shapes: tuple = ()  # (name, shape) of the latent entry's extras (reference latents), sorted
 
     @property
     def shape_key(self) -> tuple:
-        """Examples with equal keys stack into one micro-batch (same bucket): the latent shape alone
-        decides, so every rank groups alike whether or not it read the text (the text width and pooled
-        shape are the same for every item of one cache, and the token count is padded or cut to the
-        family's length by :func:`stack_text`)."""
-        return tuple(self.latent.shape)
+        """Examples with equal keys stack into one micro-batch (same bucket): the latent shape and the
+        shapes of the latent entry's extras (an edit item's references: their count and sizes) decide,
+        so every rank groups alike whether or not it read the text (the text width and pooled shape are
+        the same for every item of one cache, and the token count is padded or cut to the family's
+        length by :func:`stack_text`)."""
+        return tuple(self.latent.shape) + self.latent_extra_shapes
 
 
 _LATENT_KEYS = ("latent",)
@@ -55,7 +57,8 @@ def load_examples(items: Sequence[CacheItem], text: bool = True,
     """Read every cached item once (latents and embeddings are small next to the model).
 
     ``text=False`` reads latents only: the last pipeline stage needs the targets (latents and noise),
-    not the model inputs. ``text_dtype`` keeps embeddings in the compute dtype (bf16 halves them).
+    not the model inputs. ``text_dtype`` keeps embeddings in the compute dtype: a cache stores them at
+    the training dtype already (a no-op then); older caches hold fp32, cast here once.
     Every other tensor of an entry is a named extra (caches written before extras have none)."""
     keyed: dict[str, set[str]] = {}
     for item in items:
@@ -71,6 +74,7 @@ def load_examples(items: Sequence[CacheItem], text: bool = True,
             lat = tensors[item.latent_key] if item.latent_key else load_file(item.latent_file)
             cond = pooled = None
             extras = {k: v for k, v in lat.items() if k not in _LATENT_KEYS}
+            latent_extra_shapes = tuple((k, tuple(v.shape)) for k, v in sorted(extras.items()))
             if text:
                 txt = tensors[item.text_key] if item.text_key else load_file(item.text_file)
                 cond, pooled = txt["cond"], txt.get("pooled")
@@ -78,7 +82,7 @@ def load_examples(items: Sequence[CacheItem], text: bool = True,
                     cond = cond.to(text_dtype)
                     pooled = pooled.to(text_dtype) if pooled is not None else None
                 extras.update({k: v for k, v in txt.items() if k not in _TEXT_KEYS})
-            loaded[key] = Example(lat["latent"], cond, pooled, extras)
+            loaded[key] = Example(lat["latent"], cond, pooled, extras, latent_extra_shapes)
         out.append(loaded[key])
     return out
 

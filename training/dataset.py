@@ -2,6 +2,14 @@
 
 The missing-caption policy is explicit: ``error`` names every file without a caption, ``skip`` drops
 them, ``empty`` trains them with an empty caption; both of the latter are counted in the report.
+
+Edit models train on pairs: an optional control folder holds each training image's reference images,
+paired by file-name stem as the other trainers do: ``name.png`` is reference 0 of ``name.jpg``,
+``name_1.png`` reference 1, ``name_2.png`` reference 2 and so on (any image extension). A stem that
+is itself a training image's stem is that image's reference 0, so ``cat_1.png`` belongs to a training
+image ``cat_1`` when there is one. A training image without references, a gap in the numbering, two
+files for one reference and control files that pair with no training image are errors naming the files:
+silently training an edit model on half its pairs is the costly mistake.
 The bucket settings (aspect ratios, resolutions, video frames and fps) travel with the dataset so the
 cache can place every item; see ``cache/buckets.py`` for the arithmetic.
 """
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +37,7 @@ class ImageEntry:
 
     path: str
     caption: str
+    references: tuple[str, ...] = ()  # reference image paths in reference order (the control folder)
 
     @property
     def is_video(self) -> bool:
@@ -38,7 +48,8 @@ class ImageEntry:
 class BucketSettings:
     """Aspect-ratio buckets (log-spaced between ``min_ratio`` and ``max_ratio``, width/height), the
     training resolutions (each item is cached once per resolution), the pixel multiple every bucket
-    side is rounded to, and video frame buckets (1 and 4k+1 frames up to ``max_frames`` at ``fps``)."""
+    side is rounded to, and video frame buckets (1 and step·k+1 frames up to ``max_frames`` at ``fps``, step
+    being the VAE's temporal rule: 4 for Wan and HunyuanVideo, 8 for LTX-Video)."""
 
     resolutions: tuple[int, ...]
     min_ratio: float = 1.0
@@ -80,6 +91,7 @@ class DatasetSpec:
     empty_captions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
     buckets: BucketSettings | None = None
+    control_folder: str = ""  # where the entries' reference images came from ("" = none)
 
     @property
     def bucket_settings(self) -> BucketSettings:
@@ -98,6 +110,11 @@ class DatasetSpec:
             lines.append(f"skipped {len(self.skipped)} without caption: {', '.join(self.skipped)}")
         if self.empty_captions:
             lines.append(f"{len(self.empty_captions)} trained with an empty caption: {', '.join(self.empty_captions)}")
+        if self.control_folder:
+            counts = sorted({len(e.references) for e in self.entries})
+            per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+            lines.append(f"{sum(len(e.references) for e in self.entries)} reference images in {self.control_folder} "
+                         f"({per} per item)")
         return "\n".join(lines + list(self.notes))
 
 
@@ -116,9 +133,78 @@ def folder_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()
 
 
+_NUMBERED = re.compile(r"^(.+)_([1-9][0-9]*)$")  # name_1, name_2, ... (no leading zeros)
+
+
+def _stem(name: str) -> str:
+    return os.path.splitext(name)[0]
+
+
+def pair_references(images: list[str], control_files: list[str], control_folder: str | Path,
+                    required: list[str] | None = None) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Pair the control folder's image files with the training files ``images`` by stem.
+
+    Returns ``(training file name -> reference paths in reference order, problems)``; every problem
+    names the files concerned. Each file of ``required`` (default: all) needs reference 0 and an
+    unbroken numbering; the others (skipped for a missing caption) only claim their references, so
+    those do not count as unpaired.
+    """
+    control_folder = str(control_folder)
+    stems = {_stem(n): n for n in images}
+    found: dict[str, dict[int, list[str]]] = {}
+    unpaired = []
+    for name in sorted(n for n in control_files if n.lower().endswith(IMAGE_EXTENSIONS)):  # captions, notes: ignored
+        stem = _stem(name)
+        numbered = _NUMBERED.match(stem)
+        if stem in stems:
+            target, index = stems[stem], 0
+        elif numbered and numbered.group(1) in stems:
+            target, index = stems[numbered.group(1)], int(numbered.group(2))
+        else:
+            unpaired.append(name)
+            continue
+        found.setdefault(target, {}).setdefault(index, []).append(name)
+    problems = []
+    duplicates = [" and ".join(names) for refs in found.values() for names in refs.values() if len(names) > 1]
+    if duplicates:
+        problems.append(f"{len(duplicates)} reference(s) in {control_folder} have several files (one reference, one "
+                        f"file): {'; '.join(duplicates)}. Keep one of each.")
+    required = images if required is None else required
+    without = [n for n in required if n not in found]
+    if without:
+        expected = ", ".join(f"{n} (needs {_stem(n)}.png or another image type)" for n in without[:20])
+        more = f" and {len(without) - 20} more" if len(without) > 20 else ""
+        problems.append(f"{len(without)} training image(s) have no reference image in {control_folder}: "
+                        f"{expected}{more}. Add the reference under the training image's name, or remove the image.")
+    gaps = []
+    for target in required:
+        refs = found.get(target)
+        if refs:
+            holes = [i for i in range(max(refs)) if i not in refs]
+            if holes:
+                names = ", ".join(f"{_stem(target)}{f'_{i}' if i else ''}.*" for i in holes)
+                gaps.append(f"{target} has {refs[max(refs)][0]} but no {names}")
+    if gaps:
+        problems.append(f"Reference numbering has gaps in {control_folder}: {'; '.join(gaps)}. Number the references "
+                        "of each image name.png, name_1.png, name_2.png, ... without gaps.")
+    if unpaired:
+        problems.append(f"{len(unpaired)} file(s) in {control_folder} pair with no training image: "
+                        f"{', '.join(unpaired[:20])}{' and more' if len(unpaired) > 20 else ''}. A reference is named "
+                        "like its training image (name.png, then name_1.png, name_2.png, ...): rename or remove them.")
+    paths = {target: tuple(os.path.join(control_folder, refs[i][0]) for i in sorted(refs))
+             for target, refs in found.items()}
+    return paths, problems
+
+
+def _image_files(folder: Path) -> list[str]:
+    with os.scandir(folder) as listing:
+        return sorted(e.name for e in listing if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS))
+
+
 def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error",
-                 buckets: BucketSettings | None = None) -> DatasetSpec:
-    """List the images and videos of ``folder`` with their captions, applying the missing-caption policy."""
+                 buckets: BucketSettings | None = None, control_folder: str | Path | None = None) -> DatasetSpec:
+    """List the images and videos of ``folder`` with their captions, applying the missing-caption policy,
+    and with ``control_folder`` each item's reference images (see :func:`pair_references`)."""
     folder = Path(folder)
     if missing_caption not in CAPTION_POLICIES:
         raise DatasetError(f"missing_caption must be one of {', '.join(CAPTION_POLICIES)} (got {missing_caption!r}).")
@@ -158,5 +244,26 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
         )
     if not entries:
         raise DatasetError(f"Every file in {folder} was skipped for lack of a caption: add .txt captions.")
+    control = ""
+    if control_folder:
+        entries, control = _with_references(folder, images, entries, Path(control_folder)), str(control_folder)
     return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty),
-                       buckets=buckets)
+                       buckets=buckets, control_folder=control)
+
+
+def _with_references(folder: Path, images: list[str], entries: list[ImageEntry], control: Path) -> list[ImageEntry]:
+    """``entries`` with their references, or a :class:`DatasetError` naming every pairing problem.
+
+    Pairing runs against every training file (also those skipped for a missing caption, so their
+    references do not show up as unpaired); only the kept entries need references."""
+    if not control.is_dir():
+        raise DatasetError(f"Control folder {control} does not exist: create it (reference images named like the "
+                           "training images) or clear the control_folder input.")
+    if control.resolve() == folder.resolve():
+        raise DatasetError(f"The control folder is the dataset folder ({folder}): put the reference images in a "
+                           "folder of their own.")
+    refs, problems = pair_references(images, _image_files(control), control,
+                                     required=[os.path.basename(e.path) for e in entries])
+    if problems:
+        raise DatasetError("\n".join(problems))
+    return [ImageEntry(e.path, e.caption, refs[os.path.basename(e.path)]) for e in entries]

@@ -16,12 +16,13 @@ import torch.utils.checkpoint
 
 from ..patches.deepspeed_pipe_backward import use_single_backward
 from ..patches.deepspeed_stage_engine import build_stage_engine
+from .cache.reader import read_totals
 from .clipping import GlobalNormClipping
 from .collectives import any_rank_requests_stop, gather_objects_to_rank0, wait_for_all_ranks
 from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
 from .health import check_lora_update, check_loss
-from .lora_file import atomic_save, link_or_copy, stage_lora_tensors, step_lora_name
+from .lora_file import atomic_save, family_metadata, link_or_copy, stage_lora_tensors, step_lora_name
 from .lora_inject import freeze_all_but_lora, inject_lora
 from .loss import mse_loss
 from .model_source import finish_loading
@@ -33,6 +34,7 @@ from .partition import describe, log_lines, require_lora_on_every_stage, write_p
 from .pipelines.base import adapter_for, family_name_for
 from .pipelines.options import parse_family_options
 from .process_util import process_alive
+from .quant.guards import set_float_weights_trainable
 from .resume import (
     apply_changed_hyperparameters,
     check_resume,
@@ -47,6 +49,7 @@ from .resume import (
 from .spec import RunSpec, SpecError
 from .stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
 from .tensorboard_log import TensorBoardLog
+from .timesteps import family_timesteps
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -101,6 +104,7 @@ class Trainer:
         self.step = 0
         self.step_times: list[float] = []
         self.clipping: GlobalNormClipping | None = None  # its last_norm is the step's grad norm
+        self.family_metadata: dict[str, str] = {}  # LoRA metadata of the family's options (set up)
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self, patcher, deferred: DeferredWeights | None = None) -> None:
@@ -121,9 +125,12 @@ class Trainer:
         if problems:
             raise SpecError(problems)
         dm = model.diffusion_model
+        self.family_metadata = family_metadata(self.adapter, dm, self.family_options)
+        timesteps = family_timesteps(spec.train.timesteps, self.adapter, dm, self.family_options)
         # DeepSpeed's "parameters" partitioning counts trainable parameters only: let it see the base
         # weights as trainable while it partitions, then freeze them (LoRA is injected afterwards).
-        dm.requires_grad_(True)
+        # Integer (GGUF) and QuantizedTensor weights cannot require grad: only float ones are flagged.
+        set_float_weights_trainable(dm, True)
         stage_layers = self.adapter.stage_layers(dm)
         for layer in stage_layers:  # gloo/NCCL send only contiguous tensors across stage boundaries
             layer.register_forward_hook(_contiguous_outputs)
@@ -138,7 +145,7 @@ class Trainer:
             activation_checkpoint_func=checkpoint,
             dynamic_shape=True,
         )
-        dm.requires_grad_(False)
+        set_float_weights_trainable(dm, False)
         regex = self.adapter.lora_target_regex(spec.lora.targets)
         self.boundaries = [int(p) for p in self.module.parts]
         self.plan = describe(layers, self.boundaries, regex)
@@ -179,7 +186,7 @@ class Trainer:
         self.scheduler = scheduler
         self.batches = MicroBatches(
             self._examples(model), spec.train.batch_size, spec.train.seed, model, self.adapter,
-            spec.train.timesteps, ctx.device,
+            timesteps, ctx.device,
             replica=self.engine.grid.data_parallel_id, replicas=self.data_parallel,
             family_options=self.family_options,
         )
@@ -213,6 +220,7 @@ class Trainer:
         dm = model.diffusion_model
         self.ctx.events.emit(
             "stage_memory", rank=self.ctx.rank, stage=self.stage_id, examples=len(examples), text=first,
+            cache_reads=read_totals(),
             local_bytes=resident_bytes(self.module),
             foreign_bytes=sum(resident_bytes(dm.get_submodule(p)) for p in self.foreign_paths),
         )
@@ -303,7 +311,7 @@ class Trainer:
             "alpha": str(s.lora.alpha), "targets": s.lora.targets, "steps": str(self.step),
             "base_model": Path(s.model.path).name, "base_model_fingerprint": s.model.fingerprint,
             "weight_dtype": s.model.weight_dtype, "spec_hash": s.training_hash(),
-            "format": "diffusion_model.<ComfyUI module>.lora_A/lora_B/alpha",
+            "format": "diffusion_model.<ComfyUI module>.lora_A/lora_B/alpha", **self.family_metadata,
         }
 
     def save(self, final: bool) -> None:

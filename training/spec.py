@@ -54,12 +54,13 @@ class SpecError(ValueError):
 class ModelRecipe:
     """How the training process rebuilds the exact MODEL the graph loaded, with ComfyUI's own loader."""
 
-    loader: str  # "diffusion_model": comfy.sd.load_diffusion_model
+    loader: str  # "diffusion_model" | "checkpoint" | "gguf" (training/model_source.py replays each)
     path: str
     weight_dtype: str = "default"
     fingerprint: str = ""
     loras: tuple[tuple[str, float], ...] = ()  # (lora file, strength) merged before training
     sampling: SamplingOverride | None = None  # a ModelSampling* node's patch on the graph's MODEL
+    extension_path: str = ""  # "gguf": the ComfyUI-GGUF folder the graph's loader ran from
 
 
 @dataclass(frozen=True)

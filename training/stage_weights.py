@@ -73,6 +73,8 @@ class DeferredWeights:
         The call is ComfyUI's own (``load_state_dict(strict=False)`` on the diffusion model, as
         ``BaseModel.load_model_weights`` makes it), so its operations' loading hooks run as usual.
         """
+        if not self.tensors:  # nothing was kept aside: the loader loaded the model in full (model_source.py)
+            return []
         skip = tuple(skip)
         wanted = {k: v for k, v in self.tensors.items() if not _under(k, skip)}
         missing, unexpected = diffusion_model.load_state_dict(wanted, strict=False)

@@ -79,10 +79,11 @@ def nearest_bucket(width: int, height: int, buckets: tuple[Bucket, ...]) -> Buck
     return min(buckets, key=lambda b: (abs(b.log_ratio - target), b.width))
 
 
-def frame_bucket(available: int, max_frames: int) -> int:
-    """Largest frame count of the form 1 or 4k+1 that fits both the clip and ``max_frames``."""
+def frame_bucket(available: int, max_frames: int, step: int = 4) -> int:
+    """Largest frame count of the form 1 or ``step``·k+1 that fits both the clip and ``max_frames``
+    (``step``: the VAE's temporal compression, 4 for Wan/HunyuanVideo, 8 for LTX-Video, 1 for image VAEs)."""
     n = max(1, min(available, max_frames))
-    return (n - 1) // 4 * 4 + 1
+    return (n - 1) // step * step + 1
 
 
 def crop_fraction(width: int, height: int, bucket: Bucket) -> float:

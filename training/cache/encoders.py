@@ -18,6 +18,18 @@ from typing import Protocol
 import torch
 
 _SAMPLES_PER_TENSOR = 4096
+_STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # keys.TEXT_STORE_DTYPES as torch dtypes
+
+
+def stored_text(tensors: dict[str, torch.Tensor], stored: str) -> dict[str, torch.Tensor]:
+    """An encoder's text tensors as the cache stores them: every float tensor (cond, pooled, float
+    extras) at the storage dtype ``stored`` (one of ``keys.TEXT_STORE_DTYPES``), integer ones as they are.
+
+    The encoders return fp32; storing at the training dtype halves the bytes on disk and in the
+    reading rank, and costs nothing the training would have kept (the rank casts to that dtype anyway).
+    """
+    dtype = _STORE_DTYPES[stored]
+    return {k: v.to(dtype).contiguous() if v.is_floating_point() else v for k, v in tensors.items()}
 
 
 class Encoders(Protocol):
@@ -206,6 +218,19 @@ def latent_layout(encoded: torch.Tensor, frames: int) -> torch.Tensor:
     return encoded[0] if frames == 1 else encoded.movedim(0, 1)
 
 
+IMAGE_VAE_FRAME_STEP = 4
+"""Image VAEs encode a clip frame by frame and have no temporal rule; their clips keep the 4k+1 buckets
+of the common video families (image models refuse video latents in preflight anyway)."""
+
+
+def vae_frame_step(vae) -> int:
+    """Pixel frames per latent frame after the first, by ComfyUI's own record of a video VAE
+    (``downscale_index_formula``: 4 for Wan and HunyuanVideo, 8 for LTX-Video); the family adapter's
+    ``Geometry.frame_step`` is the same rule. Image VAEs: :data:`IMAGE_VAE_FRAME_STEP`."""
+    formula = getattr(vae, "downscale_index_formula", None)
+    return int(formula[0]) if isinstance(formula, (tuple, list)) else IMAGE_VAE_FRAME_STEP
+
+
 class ComfyEncoders:
     """ComfyUI's ``VAE`` and ``CLIP`` objects behind :class:`Encoders`; identities computed once."""
 
@@ -213,6 +238,7 @@ class ComfyEncoders:
         self.vae = vae
         self.clip = clip
         self._ids: dict[str, object] = {}
+        self.frame_step = vae_frame_step(vae)  # clips are cut to 1 or frame_step*k+1 frames
 
     def latent_identity(self) -> str:
         if "vae" not in self._ids:

@@ -1,12 +1,18 @@
 """Cache keys: every input that changes an encoded tensor is part of its key.
 
-A latent's key covers the source's content digest, the preprocessing (bucket size, frame count, fps,
-crop, resize filter), the VAE's weights fingerprint and dtype, the latent scaling convention and the
+A latent's key covers the source's content digest, the content digests of its reference images in
+reference order (edit datasets; the references are encoded into the same entry), the preprocessing
+(bucket size, frame count, fps, crop, resize filter), the VAE's weights fingerprint and dtype, the latent scaling convention and the
 latent format version; a text embedding's key covers the caption, the text encoder's identity (its
 weights fingerprint and dtype, the clip-skip layer, the tokenizer and its options, the digest of the
 LoRA patches on it; see encoders.py) and the text format version. A stale entry would need a hash
 collision, not a forgotten setting. The components are kept beside each key so that a re-encode can
 name what changed.
+
+A text embedding is stored at the dtype the Cache node was asked for (the training dtype, bf16 by
+default: half the bytes on disk and in every reading rank). That storage dtype is part of the text key
+when it is not fp32, so the keys of fp32 entries, written before the choice existed, are unchanged:
+old caches keep being found and read (the reader brings any stored dtype to the training dtype).
 
 Each kind has its own format version, so a change to the text key (version 4 added clip-skip,
 tokenizer options and patches) re-encodes captions only, never the far costlier latents.
@@ -19,6 +25,8 @@ import json
 
 LATENT_FORMAT_VERSION = 3
 TEXT_FORMAT_VERSION = 4
+TEXT_STORE_DTYPES = ("bf16", "fp32")  # what a text embedding may be stored as; fp32 = how older caches hold it
+_LEGACY_TEXT_STORE = "fp32"
 LATENT_SCALING = "raw"  # stored as the VAE returns it; the model's process_latent_in runs at train time
 
 _CHANGE_NAMES = {
@@ -26,8 +34,10 @@ _CHANGE_NAMES = {
     "prep": "preprocessing changed",
     "vae": "VAE changed (weights or dtype)",
     "scaling": "latent scaling changed",
+    "references": "reference images changed",
     "caption": "caption changed",
     "encoder": "text encoder changed",
+    "stored": "stored text dtype changed",
 }
 _LONG_VALUE = 24  # digests are named, not printed
 
@@ -40,14 +50,24 @@ def _canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def latent_components(source_digest: str, preprocessing: dict, vae_identity: str) -> dict:
-    """Everything a latent depends on, by name (kept beside the key to explain re-encodes)."""
-    return {"kind": "latent", "v": LATENT_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
-            "vae": vae_identity, "scaling": LATENT_SCALING}
+def latent_components(source_digest: str, preprocessing: dict, vae_identity: str,
+                      references: tuple[str, ...] = ()) -> dict:
+    """Everything a latent depends on, by name (kept beside the key to explain re-encodes).
+    ``references``: content digests of the item's reference images, in order (absent without any)."""
+    out = {"kind": "latent", "v": LATENT_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
+           "vae": vae_identity, "scaling": LATENT_SCALING}
+    if references:
+        out["references"] = list(references)
+    return out
 
 
-def text_components(caption: str, encoder_identity: str | dict) -> dict:
-    return {"kind": "text", "v": TEXT_FORMAT_VERSION, "caption": caption, "encoder": encoder_identity}
+def text_components(caption: str, encoder_identity: str | dict, stored: str = _LEGACY_TEXT_STORE) -> dict:
+    """Everything a text embedding depends on; ``stored`` (its storage dtype) is named only when it is
+    not fp32, mirroring :func:`text_key`."""
+    out = {"kind": "text", "v": TEXT_FORMAT_VERSION, "caption": caption, "encoder": encoder_identity}
+    if stored != _LEGACY_TEXT_STORE:
+        out["stored"] = stored
+    return out
 
 
 def prep_signature(preprocessing: dict) -> str:
@@ -55,10 +75,13 @@ def prep_signature(preprocessing: dict) -> str:
     return _canonical_json(preprocessing)
 
 
-def latent_key(source_digest: str, prep_sig: str, vae_identity: str) -> str:
+def latent_key(source_digest: str, prep_sig: str, vae_identity: str, references: tuple[str, ...] = ()) -> str:
     """The key of :func:`latent_components` (fields joined in a fixed order: revalidating 10,000 items
-    must not spend its budget on JSON)."""
+    must not spend its budget on JSON). Without references the key is what it was before they existed,
+    so caches of plain datasets stay valid."""
     fields = ("latent", str(LATENT_FORMAT_VERSION), LATENT_SCALING, json.dumps(vae_identity), prep_sig, source_digest)
+    if references:
+        fields += ("references", *references)
     return _hash("\x1f".join(fields))
 
 
@@ -67,10 +90,14 @@ def encoder_signature(encoder_identity: str | dict) -> str:
     return _canonical_json(encoder_identity)
 
 
-def text_key(caption: str, encoder_sig: str) -> str:
+def text_key(caption: str, encoder_sig: str, stored: str = _LEGACY_TEXT_STORE) -> str:
     """The key of :func:`text_components` (``encoder_sig`` from :func:`encoder_signature`); the caption
-    comes last, so no caption can mimic another field."""
-    return _hash("\x1f".join(("text", str(TEXT_FORMAT_VERSION), encoder_sig, caption)))
+    comes last, so no caption can mimic another field. An fp32 store keeps the key it had before the
+    storage dtype was a choice."""
+    if stored not in TEXT_STORE_DTYPES:
+        raise ValueError(f"Text embeddings can be stored as {', '.join(TEXT_STORE_DTYPES)}, not {stored!r}.")
+    store = () if stored == _LEGACY_TEXT_STORE else (f"stored={stored}",)
+    return _hash("\x1f".join(("text", str(TEXT_FORMAT_VERSION), encoder_sig, *store, caption)))
 
 
 def _show(value: object) -> str:
@@ -90,6 +117,13 @@ def _part_changes(old: dict, new: dict) -> str:
     return ", ".join(diffs)
 
 
+def _reference_changes(old: list, new: list) -> str:
+    """``"reference 1"`` (0-based, as the extras are named) or ``"1 -> 2 references"``."""
+    if len(old) != len(new):
+        return f"{len(old)} -> {len(new)} references"
+    return ", ".join(f"reference {i}" for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+
+
 def change_reason(old: dict, new: dict) -> str:
     """Why ``new`` needs an encode where ``old`` was cached, e.g. ``caption changed``."""
     if old.get("v") != new.get("v"):  # the other differences follow from the new format
@@ -101,6 +135,8 @@ def change_reason(old: dict, new: dict) -> str:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             text = f"{text} ({_part_changes(a, b)})"
+        elif name == "references":
+            text = f"{text} ({_reference_changes(a or [], b or [])})"
         elif name == "encoder":
             text = f"{text} (weights or dtype)"
         parts.append(text)

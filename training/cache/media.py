@@ -1,7 +1,7 @@
 """Reading sources into bucket-sized pixels: images with Pillow, videos with PyAV.
 
 Videos are resampled to a fixed frame rate by time, not by frame index, so a 30 fps and a 24 fps clip
-of the same motion give the same frames; a clip is cut to its frame bucket (1 or 4k+1 frames).
+of the same motion give the same frames; a clip is cut to its frame bucket (1 or step·k+1 frames, the VAE's rule).
 """
 
 from __future__ import annotations

@@ -16,6 +16,15 @@ class CacheReadError(RuntimeError):
     pass
 
 
+_TOTALS = {"keys": 0, "bytes": 0}  # this process's reads: a rank reports them (stage_memory event)
+
+
+def read_totals() -> dict[str, int]:
+    """Cache records this process has read so far (keys and bytes): what a training rank reports, so
+    that a middle pipeline stage can be shown to read nothing and the last to read no text."""
+    return dict(_TOTALS)
+
+
 def read_entries(index_file: str | Path, keys: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Tensors of every key from the cache whose index is ``index_file``, each checked against its checksum."""
     index_file = Path(index_file)
@@ -39,6 +48,8 @@ def read_entries(index_file: str | Path, keys: Iterable[str]) -> dict[str, dict[
     for key, (shard, offset, length, digest) in rows.items():
         try:
             out[key] = unpack(read_span(index_file.parent / "shards" / shard, offset, length, digest))
+            _TOTALS["keys"] += 1
+            _TOTALS["bytes"] += length
         except (CorruptRecord, OSError) as exc:
             _forget_shard_state(index_file, shard)
             raise CacheReadError(f"Cached item {key} is damaged ({exc}): run the 'Cache Latents & Text' node "

@@ -5,6 +5,13 @@ content digest and probe (a changed mtime costs one hash of the file, and an unc
 nothing is re-encoded); keys are recomputed from their components (see keys.py) and looked up in the
 index; only shards whose size or mtime changed since they were last known good are checksummed again.
 Several processes may fill one cache: each key is claimed before encoding, so it is encoded once.
+
+Reference images (edit datasets) are encoded with the same VAE into the item's latent entry as
+``reference_0``, ``reference_1``, ... (raw latents ``[C, h, w]``). Each is resized to cover the item's
+own bucket and center-cropped like the item, so it has the target's latent size: the references of
+one bucket stack into a micro-batch without padding, and the edit models (Kontext, Qwen-Image-Edit)
+take a reference of the target's size. Their content digests are part of the latent key: a changed
+reference re-encodes exactly its item (target and references, one entry).
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..dataset import DatasetSpec, ImageEntry
+from ..pipelines.base import reference_extra
 from ..spec import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
-from .encoders import ComfyEncoders, Encoders
+from .encoders import IMAGE_VAE_FRAME_STEP, ComfyEncoders, Encoders, stored_text
 from .index import CacheIndex, Entry, Source
 from .keys import (
     change_reason,
@@ -96,18 +104,28 @@ class _Planned:
     prep: dict
     latent_key: str
     text_key: str
+    references: tuple[str, ...] = ()  # content digests of the entry's reference images
+
+    @property
+    def bucket_name(self) -> str:
+        """Items of a bucket stack: with references, their count is part of the bucket."""
+        refs = len(self.entry.references)
+        return f"{self.bucket.name}+{refs}ref" if refs else self.bucket.name
 
 
-def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None) -> CacheResult:
+def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
+                text_dtype: str = "fp32") -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
-    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress)
+    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
-               progress: Progress | None = None) -> CacheResult:
-    """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing."""
+               progress: Progress | None = None, text_dtype: str = "fp32") -> CacheResult:
+    """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
+
+    ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype."""
     start = time.monotonic()
-    filler = _Filler(Path(cache_dir), dataset, encoders, progress)
+    filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype)
     try:
         result = filler.run()
     finally:
@@ -125,11 +143,15 @@ def _file_digest(path: str) -> str:
 
 
 class _Filler:
-    def __init__(self, root: Path, dataset: DatasetSpec, encoders: Encoders, progress: Progress | None):
+    def __init__(self, root: Path, dataset: DatasetSpec, encoders: Encoders, progress: Progress | None,
+                 text_dtype: str = "fp32"):
         self.root = root
+        self.text_dtype = text_dtype
         self.dataset = dataset
         self.settings = dataset.bucket_settings
         self.encoders = encoders
+        # The VAE's temporal rule (ComfyEncoders.frame_step); encoders without one keep 4k+1.
+        self.frame_step = int(getattr(encoders, "frame_step", IMAGE_VAE_FRAME_STEP))
         self.progress = progress
         self.index = CacheIndex(root)
         self.writer = ShardWriter(root / "shards", self.index.shard_end)
@@ -168,6 +190,17 @@ class _Filler:
                 self.damaged[k] = f"damaged entry ({reason})"
 
     # ---- phase 2: plan ----------------------------------------------------------------------
+    def reference_sources(self, entry: ImageEntry, known: dict[str, Source]) -> list[tuple[str, Probe]]:
+        """Digest and probe of each reference image, or an error naming the reference that failed."""
+        out = []
+        for path in entry.references:
+            try:
+                out.append(self.source(ImageEntry(path, ""), known))
+            except Exception as exc:  # noqa: BLE001 - reported by the caller as this item's skip reason
+                raise ValueError(f"cannot read its reference {os.path.basename(path)} "
+                                 f"({type(exc).__name__}: {exc})") from exc
+        return out
+
     def source(self, entry: ImageEntry, known: dict[str, Source]) -> tuple[str, Probe]:
         st = os.stat(entry.path)
         old = known.get(entry.path)
@@ -198,29 +231,42 @@ class _Filler:
             except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
                 self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
                 continue
-            tkey = text_key(entry.caption, text_sig)
+            try:
+                refs = self.reference_sources(entry, known)
+            except ValueError as exc:
+                self.report.skipped.append(f"{name}: {exc}")
+                continue
+            ref_digests = tuple(d for d, _ in refs)
+            tkey = text_key(entry.caption, text_sig, self.text_dtype)
             video = entry.is_video
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
-                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames) if video else 1
+                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames, self.frame_step) if video else 1
                 bucket = Bucket(spatial.width, spatial.height, frames)
                 lost = crop_fraction(probe.width, probe.height, bucket)
                 if lost > CROP_NOTE_THRESHOLD:
                     self.report.notes.append(f"{name}: {lost:.0%} of the picture is cropped away to fit bucket "
                                              f"{bucket.name}; widen min/max ratio or add buckets to keep it.")
+                for ref_path, (_, ref_probe) in zip(entry.references, refs, strict=True):
+                    lost = crop_fraction(ref_probe.width, ref_probe.height, bucket)
+                    if lost > CROP_NOTE_THRESHOLD:
+                        self.report.notes.append(
+                            f"{os.path.basename(ref_path)} (reference of {name}): {lost:.0%} is cropped away to fit "
+                            f"its target's bucket {bucket.name}; give references the target's aspect ratio.")
                 if bucket not in preps:
                     prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
                             "resize": "lanczos", "fps": s.fps if video else None}
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
-                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id), tkey))
+                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id, ref_digests), tkey,
+                                    ref_digests))
         return out
 
     def components(self, p: _Planned, kind: str) -> dict:
         """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
         if kind == "latent":
-            return latent_components(p.digest, p.prep, self.encoders.latent_identity())
-        return text_components(p.entry.caption, self.encoders.text_identity())
+            return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references)
+        return text_components(p.entry.caption, self.encoders.text_identity(), self.text_dtype)
 
     # ---- phase 3: encode --------------------------------------------------------------------
     def _encode(self, key: str, kind: str, planned: _Planned) -> None:
@@ -231,13 +277,27 @@ class _Filler:
             else:
                 pixels = load_image(planned.entry.path, b)
             tensors = {"latent": self.encoders.encode_latent(pixels)}
+            tensors.update(self._encode_references(planned))
         else:
-            tensors = self.encoders.encode_text(planned.entry.caption)
+            tensors = stored_text(self.encoders.encode_text(planned.entry.caption), self.text_dtype)
         data = pack(tensors)
         shard, offset = self.writer.append(data)
         st = os.stat(self.root / "shards" / shard)
         shapes = json.dumps({k: list(v.shape) for k, v in tensors.items()})
         self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
+
+    def _encode_references(self, planned: _Planned) -> dict[str, object]:
+        """Each reference resized to cover the item's bucket (one frame), encoded like an image item."""
+        size = Bucket(planned.bucket.width, planned.bucket.height)
+        out = {}
+        for i, path in enumerate(planned.entry.references):
+            try:
+                pixels = load_image(path, size)
+            except Exception as exc:  # noqa: BLE001 - named in the skip reason instead of the item's own file
+                raise ValueError(f"reference {os.path.basename(path)}: {type(exc).__name__}: {exc}") from exc
+            latent = self.encoders.encode_latent(pixels)
+            out[reference_extra(i)] = latent[:, 0] if latent.ndim == 4 and latent.shape[1] == 1 else latent
+        return out
 
     def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, str],
                slots: dict[str, tuple[str, str]], deferred: dict[str, tuple[str, _Planned]]) -> None:
@@ -328,9 +388,9 @@ class _Filler:
             if not shapes[0]:
                 lat, txt = json.loads(self.index.entry(lkey).shapes), json.loads(self.index.entry(tkey).shapes)
                 shapes = (lat["latent"][0], txt["cond"][-1], txt["pooled"][-1] if "pooled" in txt else 0)
-            self.report.buckets[p.bucket.name] += 1
+            self.report.buckets[p.bucket_name] += 1
             item = CacheItem(index_file, index_file, p.entry.path, p.entry.caption,
-                             latent_key=lkey, text_key=tkey, bucket=p.bucket.name)
+                             latent_key=lkey, text_key=tkey, bucket=p.bucket_name)
             items.extend([item] * self.dataset.repeats)
         self.index.put_slots(changed_slots)
         return CacheResult(tuple(items), self.report, *shapes)

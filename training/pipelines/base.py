@@ -73,6 +73,8 @@ class ExtraSpec:
     holds ints (fixed sizes) and letters bound to the example: ``C``/``F``/``H``/``W`` the latent's
     channels, frames, height and width, ``T`` the text tokens; ``*`` is any size. An extra that
     ``follows_text`` (a text attention mask) is brought to the micro-batch's text length with the cond.
+    An extra that ``is_latent`` (a reference image's raw VAE latent, see :func:`reference_extra`) gets
+    the model's ``process_latent_in`` like the training latent.
     """
 
     shape: tuple[int | str, ...]
@@ -80,6 +82,16 @@ class ExtraSpec:
     required: bool = True
     follows_text: bool = False
     description: str = ""
+    is_latent: bool = False
+
+
+REFERENCE_PREFIX = "reference_"
+
+
+def reference_extra(index: int) -> str:
+    """The extra name of an item's ``index``-th reference image (0-based, the Dataset node's order):
+    the cache stores its raw VAE latent ``[C, h, w]`` under this name in the item's latent entry."""
+    return f"{REFERENCE_PREFIX}{index}"
 
 
 @dataclass(frozen=True)

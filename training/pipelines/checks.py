@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..loss import prediction_type
-from .base import ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
+from .base import REFERENCE_PREFIX, ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
 from .targets import model_targets
 
 MAX_NAMED = 20  # items named per problem; the rest are counted
@@ -179,14 +179,21 @@ def expected_extra_shape(spec: ExtraSpec, latent: tuple[int, ...], cond: tuple[i
 
 
 def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family: str) -> list[str]:
-    """Every required extra is in the cache, and every cached one has the shape the model declares."""
+    """Every required extra is in the cache, and every cached one has the shape the model declares.
+
+    Reference images (``reference_<i>``, the Dataset node's control folder) get their own wording, and
+    cached references the model takes no extra for are problems too: they would be dropped silently."""
     missing: dict[str, list[str]] = {}
     wrong: dict[str, list[str]] = {}
+    unused: dict[str, list[str]] = {}
     for source, latent_entry, text_entry in shapes.items:
         latent = shapes.latents.get(latent_entry)
         if latent is None:
             continue  # unreadable: reported on its own
         cond = shapes.conds.get(text_entry)
+        for name in shapes.extras.get(latent_entry, {}):
+            if name.startswith(REFERENCE_PREFIX) and name not in specs:
+                unused.setdefault(name, []).append(source)
         for name, spec in specs.items():
             entry = latent_entry if spec.source == "latent" else text_entry
             got = shapes.extras.get(entry, {}).get(name)
@@ -201,12 +208,31 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
     out = []
     for name, sources in missing.items():
         what = specs[name].description or name
+        if name.startswith(REFERENCE_PREFIX):
+            out.append(f"The {family} model needs {what} ('{name}') for every item, and the cache has none for "
+                       f"{_named(sources)}: give the Dataset node a control folder with reference images named "
+                       f"like the training images ({_reference_file(name)} for this one) and cache again.")
+            continue
         out.append(f"The {family} model needs {what} ('{name}') for every item, and the cache has none for "
                    f"{_named(sources)}: cache the dataset again with the inputs this model needs.")
+    if unused:
+        takes = sorted(n for n in specs if n.startswith(REFERENCE_PREFIX))
+        what = f"takes only {', '.join(takes)}" if takes else "takes no reference images"
+        held = "; ".join(f"'{name}' ({_reference_file(name)}) for {_named(sources)}"
+                         for name, sources in sorted(unused.items()))
+        out.append(f"The cache holds reference images the {family} model would ignore ({held}): the model {what}. "
+                   "Remove those references from the control folder (or clear control_folder), or load an edit "
+                   "model, and cache again.")
     for name, found in wrong.items():
         out.append(f"The cached '{name}' of {_named(found)} does not fit the {family} model: cache again with "
                    "this model's encoders.")
     return out
+
+
+def _reference_file(name: str) -> str:
+    """The control-folder file of reference extra ``name``: ``name.png`` for 0, ``name_<i>.png`` after."""
+    index = name[len(REFERENCE_PREFIX):]
+    return "name.png" if index == "0" else f"name_{index}.png"
 
 
 def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[str]:
