@@ -54,6 +54,11 @@ class StageLayer(nn.Module):
         setattr(self, attr, module)
         self.comfy_paths[attr] = comfy_path
 
+    def adopt_same(self, dm: nn.Module, *names: str) -> None:
+        """Adopt each ``dm.<name>`` under the same attribute name and module path."""
+        for name in names:
+            self.adopt(name, getattr(dm, name), name)
+
     def comfy_path(self, name: str) -> str | None:
         """The ComfyUI module path of the submodule ``name`` (as in ``named_modules``), or None for a
         module the layer does not adopt from the ComfyUI model (such modules never get LoRA)."""
@@ -194,6 +199,13 @@ class FamilyAdapter(Protocol):
         batch; shorter conds get zero tokens appended, longer ones are cut. A family whose model takes
         a text attention mask also masks the added tokens (in ``first_stage_inputs``)."""
         ...
+
+
+def refuse_unsupported(adapter: FamilyAdapter, diffusion_model: nn.Module) -> None:
+    """Raise the adapter's :meth:`~FamilyAdapter.support_problems` (``stage_layers`` calls this first)."""
+    problems = adapter.support_problems(diffusion_model)
+    if problems:
+        raise NotImplementedError(" ".join(problems))
 
 
 _ADAPTERS: dict[str, FamilyAdapter] = {}  # family name -> adapter

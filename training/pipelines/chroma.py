@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -83,9 +83,7 @@ class ChromaEmbed(StageLayer):
         from comfy.ldm.flux.model import Flux
 
         super().__init__()
-        self.adopt("img_in", dm.img_in, "img_in")
-        self.adopt("txt_in", dm.txt_in, "txt_in")
-        self.adopt("distilled_guidance_layer", dm.distilled_guidance_layer, "distilled_guidance_layer")
+        self.adopt_same(dm, "img_in", "txt_in", "distilled_guidance_layer")
         # Flux.process_img reads only these two attributes: the same patchify and grid positions as Chroma._forward.
         self.params = dm.params
         self.patch_size = dm.patch_size
@@ -181,9 +179,7 @@ class ChromaAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         n_double, n_single = len(dm.double_blocks), len(dm.single_blocks)
         if n_double + n_single == 0:
             raise ValueError("This Chroma model has no transformer blocks; nothing to train.")

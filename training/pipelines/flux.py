@@ -36,7 +36,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import REFERENCE_PREFIX, Batch, ExtraSpec, Geometry, StageLayer, reference_extra, register
+from .base import (
+    REFERENCE_PREFIX,
+    Batch,
+    ExtraSpec,
+    Geometry,
+    StageLayer,
+    reference_extra,
+    refuse_unsupported,
+    register,
+)
 from .out_of_place import OutOfPlaceResidualAdds
 
 
@@ -198,9 +207,7 @@ class FluxEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("img_in", dm.img_in, "img_in")
-        self.adopt("time_in", dm.time_in, "time_in")
-        self.adopt("txt_in", dm.txt_in, "txt_in")
+        self.adopt_same(dm, "img_in", "time_in", "txt_in")
         if dm.params.guidance_embed:
             self.adopt("guidance_in", dm.guidance_in, "guidance_in")
         else:
@@ -360,9 +367,7 @@ class FluxAdapter:
         return [problem] if problem else []
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
-        problems = self.support_problems(diffusion_model)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, diffusion_model)
         return flux_stage_layers(diffusion_model)
 
     def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:

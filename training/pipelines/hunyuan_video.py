@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .out_of_place import OutOfPlaceResidualAdds
 
 _ATTENTION = r"(img|txt)_attn\.(qkv|proj)|linear[12]"
@@ -221,9 +221,7 @@ class HunyuanVideoAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         nd, ns = len(dm.double_blocks), len(dm.single_blocks)
         if nd + ns == 0:
             raise ValueError("This HunyuanVideo model has no transformer blocks; nothing to train.")

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -82,9 +82,7 @@ class LuminaEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module, join: bool):
         super().__init__()
-        self.adopt("t_embedder", dm.t_embedder, "t_embedder")
-        self.adopt("cap_embedder", dm.cap_embedder, "cap_embedder")
-        self.adopt("x_embedder", dm.x_embedder, "x_embedder")
+        self.adopt_same(dm, "t_embedder", "cap_embedder", "x_embedder")
         self.pad_multiple = dm.pad_tokens_multiple
         if self.pad_multiple is not None:
             self.cap_pad_token = dm.cap_pad_token  # the model's own (frozen) Parameters, shared
@@ -211,9 +209,7 @@ class Lumina2Adapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         n = len(dm.layers)
         if n == 0:
             raise ValueError("This Lumina 2 / Z-Image model has no transformer layers; nothing to train.")

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -28,8 +28,7 @@ class MMDiTEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("x_embedder", dm.x_embedder, "x_embedder")
-        self.adopt("t_embedder", dm.t_embedder, "t_embedder")
+        self.adopt_same(dm, "x_embedder", "t_embedder")
         if dm.y_embedder is not None:
             self.adopt("y_embedder", dm.y_embedder, "y_embedder")
         else:
@@ -107,9 +106,7 @@ class MMDiTAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         blocks = [MMDiTJointBlock(dm, i) for i in range(len(dm.joint_blocks))]
         return [MMDiTEmbed(dm), *blocks, MMDiTFinal(dm)]
 

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -89,10 +89,7 @@ class QwenEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("img_in", dm.img_in, "img_in")
-        self.adopt("txt_norm", dm.txt_norm, "txt_norm")
-        self.adopt("txt_in", dm.txt_in, "txt_in")
-        self.adopt("time_text_embed", dm.time_text_embed, "time_text_embed")
+        self.adopt_same(dm, "img_in", "txt_norm", "txt_in", "time_text_embed")
         self.patch_size = dm.patch_size  # read by ComfyUI's own process_img, reused below
         self._process_img = type(dm).process_img
         self.timestep_zero = _ref_method(dm) == "index_timestep_zero"
@@ -180,8 +177,7 @@ class QwenFinal(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("norm_out", dm.norm_out, "norm_out")
-        self.adopt("proj_out", dm.proj_out, "proj_out")
+        self.adopt_same(dm, "norm_out", "proj_out")
         self.patch_size = dm.patch_size
         self.out_channels = dm.out_channels
 
@@ -207,9 +203,7 @@ class QwenImageAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         n = len(dm.transformer_blocks)
         if n == 0:
             raise ValueError("This Qwen-Image model has no transformer blocks; nothing to train.")

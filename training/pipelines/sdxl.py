@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -140,8 +140,7 @@ class SDXLEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("time_embed", dm.time_embed, "time_embed")
-        self.adopt("label_emb", dm.label_emb, "label_emb")
+        self.adopt_same(dm, "time_embed", "label_emb")
         self.adopt("conv_in", dm.input_blocks[0], "input_blocks.0")
         self.model_channels = dm.model_channels
 
@@ -231,9 +230,7 @@ class SDXLAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         n_out = len(dm.output_blocks)
         last_context = _last_output_with_transformer(dm)
         outputs = [SDXLOutputBlock(dm, j, gets_context=j <= last_context, keeps_context=j < last_context,

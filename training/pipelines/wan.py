@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .out_of_place import OutOfPlaceResidualAdds
 
 _ATTENTION = r"(self_attn|cross_attn)\.(q|k|v|o)|cross_attn\.(k_img|v_img)"
@@ -141,10 +141,7 @@ class WanEmbed(StageLayer):
 
     def __init__(self, dm: nn.Module):
         super().__init__()
-        self.adopt("patch_embedding", dm.patch_embedding, "patch_embedding")
-        self.adopt("time_embedding", dm.time_embedding, "time_embedding")
-        self.adopt("time_projection", dm.time_projection, "time_projection")
-        self.adopt("text_embedding", dm.text_embedding, "text_embedding")
+        self.adopt_same(dm, "patch_embedding", "time_embedding", "time_projection", "text_embedding")
         if dm.img_emb is not None:
             self.adopt("img_emb", dm.img_emb, "img_emb")
         self.patch_size = tuple(dm.patch_size)
@@ -253,9 +250,7 @@ class WanAdapter:
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         dm = diffusion_model
-        problems = self.support_problems(dm)
-        if problems:
-            raise NotImplementedError(" ".join(problems))
+        refuse_unsupported(self, dm)
         n = len(dm.blocks)
         if n == 0:
             raise ValueError("This Wan model has no attention blocks; nothing to train.")
