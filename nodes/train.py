@@ -103,6 +103,17 @@ class PipeTrainerTrain(io.ComfyNode):
                                        "reload the list). A changed LR, schedule, seed, batch or dataset goes on "
                                        "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
                                        "split is refused with the reason."),
+                io.Boolean.Input("first_frame_clean", default=False, optional=True,
+                                 tooltip="Wan 2.2 TI2V-5B: train image-to-video as ComfyUI samples it (the first "
+                                         "latent frame stays clean and is left out of the loss). Off: text-to-video. "
+                                         "Other families do not use it."),
+                io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
+                               tooltip="Wan 2.2 A14B: which expert file this model is. Training then draws only that "
+                                       "expert's noise levels (high_noise: sigma at or above the boundary). Recorded "
+                                       "in the LoRA file. Other families do not use it."),
+                io.Float.Input("expert_boundary", default=0.0, min=0.0, max=0.999, step=0.005, optional=True,
+                               tooltip="Wan 2.2 A14B expert boundary sigma; 0 = the Wan 2.2 default (0.875 "
+                                       "text-to-video, 0.9 image-to-video)."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA applied."),

@@ -54,3 +54,20 @@ def test_every_pipetrainer_input_has_a_tooltip(object_info):
                for section in ("required", "optional") for name, spec in info["input"].get(section, {}).items()
                if not (len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("tooltip"))]
     assert missing == []
+
+
+def test_every_family_option_is_an_input_of_the_train_node(object_info):
+    """Family options reach a run only through Train node inputs of the same names (options_from_inputs):
+    an option without an input would be unreachable from a graph."""
+    import dataclasses
+
+    from pipetrainer.training.pipelines.base import adapter_for, known_families
+
+    train = object_info["PipeTrainerTrain"]["input"]
+    inputs = {**train.get("required", {}), **train.get("optional", {})}
+    for family in known_families():
+        for field in dataclasses.fields(adapter_for(family).options_type):
+            assert field.name in inputs, f"{family} option {field.name!r} has no Train node input"
+            spec = inputs[field.name]
+            default = spec[1].get("default") if len(spec) > 1 else None
+            assert default == field.default, (family, field.name, default, field.default)
