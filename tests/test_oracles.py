@@ -66,9 +66,10 @@ def test_comfyui_gets_x0_back_from_the_training_target_for_every_family(comfy_ro
             assert owner.__name__ in str(refused), (name, refused)
             continue
         s = sigma.view(-1, 1, 1, 1)
-        assert torch.allclose(noisy, ms.noise_scaling(s, noise, x0), atol=1e-6), name  # ComfyUI's own noising
+        noised = ms.noise_scaling(s, noise, x0)  # ComfyUI's own noising; the network sees calculate_input of it
+        assert torch.allclose(noisy, ms.calculate_input(s, noised), atol=1e-6), name
         assert torch.equal(timestep, ms.timestep(sigma).float()), name  # what BaseModel.apply_model passes
-        denoised = ms.calculate_denoised(s, target, noisy)
+        denoised = ms.calculate_denoised(s, target, noised)
         assert torch.allclose(denoised, x0, atol=1e-5), (name, (denoised - x0).abs().max())
 
 
