@@ -10,6 +10,7 @@ from comfy_api.latest import io, ui
 
 from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
+from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
 from . import preflight
 from .progress_text import show_text
@@ -35,8 +36,10 @@ class PipeTrainerCache(io.ComfyNode):
                         "text-encoder LoRAs), so a changed file, caption, bucket or encoder can never reuse "
                         "stale data. Reference images of an edit dataset (the Dataset node's control folder) are "
                         "encoded with the same VAE at their target's bucket size into the target's entry; a changed "
-                        "reference re-encodes its item only. Reports cached / reused / re-encoded (why) / skipped "
-                        "(why).",
+                        "reference re-encodes its item only. For image-to-video models (Wan I2V), start_image first_frame "
+                        "also caches each item's start-image conditioning as WanImageToVideo (and, with a CLIP "
+                        "vision model, CLIP Vision Encode) builds it. Reports cached / reused / re-encoded (why) / "
+                        "skipped (why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
                 io.Vae.Input("vae", tooltip="The VAE of the model family you train; it also encodes the "
@@ -48,6 +51,18 @@ class PipeTrainerCache(io.ComfyNode):
                                tooltip="Dtype the text embeddings are stored in: set it to the Train node's "
                                        "training_dtype. bf16 halves the cache and what each training rank reads; "
                                        "caches written in fp32 before still load."),
+                io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
+                               tooltip="Image-to-video training (Wan 2.1 / 2.2 I2V models). first_frame also caches "
+                                       "each clip's first frame as the start image, the way 'WanImageToVideo' "
+                                       "conditions on it (its VAE latent followed by gray frames, the clip's frame "
+                                       "count, at the clip's bucket size; an image is its own start image) and, with "
+                                       "a CLIP vision model connected, its 'CLIP Vision Encode' features (crop none, "
+                                       "as in ComfyUI's Wan I2V template). none: text-to-video / text-to-image. "
+                                       "Part of the cache key: changing it re-encodes the latents."),
+                io.ClipVision.Input("clip_vision", optional=True,
+                                    tooltip="Wan 2.1 I2V only: the CLIP vision model its workflow uses (e.g. "
+                                            "clip_vision_h from 'Load CLIP Vision'). Needs start_image first_frame; "
+                                            "Wan 2.2 I2V takes none. Its weights are part of the cache key."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -55,17 +70,20 @@ class PipeTrainerCache(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, dataset, vae, clip, text_dtype: str = "bf16") -> io.NodeOutput:
+    def execute(cls, dataset, vae, clip, text_dtype: str = "bf16", start_image: str = NO_START_IMAGE,
+                clip_vision=None) -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
             bar.update_absolute(done, total)
 
         # Refuse a text encoder the cache key cannot describe before preflight encodes with it.
-        problems = text_encoder_problems(clip) or preflight.cache_problems(dataset, vae, clip, cache_root())
+        start = StartImage(start_image, clip_vision)
+        problems = (start.problems() or text_encoder_problems(clip)
+                    or preflight.cache_problems(dataset, vae, clip, cache_root()))
         if problems:
             raise ValueError("\n".join(problems))
-        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype)
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

@@ -261,7 +261,8 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
     ("resolution not a patch multiple", _not_patch_multiple, ("9x9 are not multiples of the SD3 model's patch size 2",
                                                               "16 px for an 8x VAE")),
     ("resolution too small", _too_small, ("4x4 are too small", "Raise the resolution")),
-    ("unsupported model family", _unsupported_family, ("cannot train BaseModel", "Supported model families: Chroma, Flux, Flux2, HunyuanVideo, Lumina2, QwenImage, SD3, SDXL, Wan")),
+    ("unsupported model family", _unsupported_family, ("cannot train BaseModel", "Supported model families: Chroma, Flux, Flux2, HunyuanVideo, ",
+                                                       "QwenImage, SD3, SDXL, Wan")),
     ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (PipeTrainer)'",)),
     ("model file changed after loading", _model_file_changed, ("changed on disk after the graph loaded it",
                                                               "queue again")),
@@ -286,6 +287,28 @@ def test_bad_input_is_refused_with_what_to_do(kind, produce, fragments, setup, r
     message = produce(setup, **extra)
     for fragment in fragments:
         assert fragment in message, f"{kind}: {fragment!r} not in:\n{message}"
+
+
+def test_the_train_node_refuses_flow_timesteps_for_sdxl_and_wan_options_that_do_not_fit(setup, comfy_root,
+                                                                                       fixture_paths):
+    """Through the Train node: shift / sigma bounds of 'Timestep Sampling' on an eps model, and Wan options
+    the model or the timesteps leave nothing of (the rules themselves: tests/test_family_rules.py)."""
+    from pipetrainer.tests.family_rows.sdxl import sdxl_small
+    from pipetrainer.tests.family_rows.wan_video import ROWS
+    from pipetrainer.training.spec import TimestepSpec
+
+    sdxl = dataclasses.replace(setup, model=sdxl_small(), settings={
+        **setup.settings, "timesteps": TimestepSpec(shift="resolution", sigma_max=0.8)})
+    message = _error(sdxl.build)
+    for fragment in ("shift 'resolution'", "set shift to 'model'", "sigma_max 0.8", "eps-prediction"):
+        assert fragment in message, (fragment, message)
+    ti2v = next(row for row in ROWS if row.name == "Wan22-TI2V").load(comfy_root, fixture_paths)
+    wan = dataclasses.replace(setup, model=ti2v, settings={
+        **setup.settings, "expert": "high_noise", "timesteps": TimestepSpec(sigma_max=0.5)})
+    message = _error(wan.build)
+    for fragment in ("Wan option expert 'high_noise' is for the two files", "leave (almost) nothing of it"):
+        assert fragment in message, (fragment, message)
+    assert "Timestep Sampling: shift" not in message  # a flow model: its timestep settings are fine
 
 
 def test_a_good_setup_passes(setup):

@@ -22,19 +22,45 @@ from .spec import TimestepSpec
 
 SIGMA_FLOOR = 1e-4  # sigma 0 is a clean latent: no signal to learn from, and some schedules divide by it
 _REDRAW_ROUNDS = 64
+_RANGE_RTOL = 1e-4  # sigma(timestep) round trips in float32
+MIN_SIGMA_RANGE = 0.01  # a sigma range narrower than this leaves (almost) nothing to train
 
 # ComfyUI's ModelSamplingFlux node interpolates mu linearly between these image token counts.
 _BASE_TOKENS, _MAX_TOKENS = 256, 4096
 
 
-def model_sigma(model_sampling, u: torch.Tensor) -> torch.Tensor:
-    """Sigma at fraction ``u`` of the model's timestep range, by the model's own ``model_sampling``.
+def timestep_range(model_sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)`` timestep of the model's inference schedule, in the model's own units.
 
-    ``timestep(sigma_max)`` is the last timestep in the model's units (1000 for SD3, 1 for Flux,
-    999 for discrete-time UNets), so ``sigma(u * that)`` is the inference schedule at ``u``.
+    ``last = timestep(sigma_max)`` (1000 for SD3, 1 for Flux, 999 for discrete-time UNets). The range
+    starts at timestep 0 wherever ``sigma(0)`` is at or below ``sigma_min``: discrete schedules
+    (``sigma(0)`` is their smallest sigma) and flow schedules (``sigma(0) = 0``). There ``timestep()``
+    must not be used for the start: a flow class's ``timestep(sigma)`` is ``sigma * multiplier``, not
+    the inverse of its shifted ``sigma(t)``. Continuous EDM schedules (CosXL-style ``edm_vpred``
+    SDXL files, ComfyUI's ``ModelSamplingContinuousEDM``) number timesteps by ``log(sigma) / 4``, so
+    timestep 0 is sigma 1, inside the range: their range starts at ``timestep(sigma_min)``, which
+    inverts their ``sigma()`` exactly (checked; a class where it does not is refused by name). This
+    is the span ComfyUI's ``normal`` scheduler walks (``timestep(sigma_max)`` to ``timestep(sigma_min)``).
     """
+    low = torch.as_tensor(model_sampling.sigma_min, dtype=torch.float32)
     last = model_sampling.timestep(torch.as_tensor(model_sampling.sigma_max, dtype=torch.float32)).float()
-    return model_sampling.sigma(u * last).float()
+    zero = torch.zeros_like(last)
+    if float(model_sampling.sigma(zero)) <= float(low) * (1 + _RANGE_RTOL):
+        return zero, last
+    first = model_sampling.timestep(low).float()
+    if not math.isclose(float(model_sampling.sigma(first)), float(low), rel_tol=_RANGE_RTOL):
+        raise NotImplementedError(
+            f"{type(model_sampling).__name__}: timestep 0 lies inside its sigma range and its timestep() does not "
+            "invert its sigma(), so PipeTrainer cannot tell where its schedule starts; this sampling is not "
+            "supported for training.")
+    return first, last
+
+
+def model_sigma(model_sampling, u: torch.Tensor) -> torch.Tensor:
+    """Sigma at fraction ``u`` of the model's timestep range (:func:`timestep_range`), by the model's own
+    ``model_sampling``: ``u`` uniform in [0, 1] gives the inference schedule's sigma distribution."""
+    first, last = timestep_range(model_sampling)
+    return model_sampling.sigma(first + u * (last - first)).float()
 
 
 def snr_shift(shift: float, u: torch.Tensor) -> torch.Tensor:
@@ -99,7 +125,7 @@ def family_timesteps(spec: TimestepSpec, adapter: object, diffusion_model: objec
     if bounds is None:
         return spec
     low, high = max(spec.sigma_min, bounds[0]), min(spec.sigma_max, bounds[1])
-    if high - low < 0.01:
+    if high - low < MIN_SIGMA_RANGE:
         raise ValueError(
             f"The timestep range [{spec.sigma_min}, {spec.sigma_max}] leaves (almost) nothing of this model's "
             f"range [{bounds[0]}, {bounds[1]}] (the expert being trained): widen sigma_min/sigma_max on the "

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from .prep_extras import cache_extras
+
 _SAMPLES_PER_TENSOR = 4096
 _STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # keys.TEXT_STORE_DTYPES as torch dtypes
 
@@ -181,6 +183,15 @@ def _canonical(value, what: str):
                                "key: remove that option before 'Cache Latents & Text'.")
 
 
+TEXT_ATTENTION_MASK = "attention_mask"  # the name CLIPTextEncode gives it in the cond dict, and the extra's
+
+
+def returns_attention_mask(clip) -> bool:
+    """Whether ComfyUI's text encoder puts the text attention mask into the conditioning (HunyuanVideo's
+    LLaMA, LTX-2's Gemma, ...): the model then masks padding tokens at sampling, so training must too."""
+    return any(getattr(m, "return_attention_masks", False) for m in clip.cond_stage_model.modules())
+
+
 def text_encoder_identity(clip) -> dict[str, object]:
     """Everything of ComfyUI's ``CLIP`` object that changes an embedding, by name.
 
@@ -196,7 +207,9 @@ def text_encoder_identity(clip) -> dict[str, object]:
     dtype = next((p.dtype for p in model.parameters()), None)
     patches = clip.patcher.patches
     tokenizer = type(clip.tokenizer)
+    masks = {"attention_mask": True} if returns_attention_mask(clip) else {}  # only then: other keys unchanged
     return {
+        **masks,
         "weights": f"{weights_fingerprint(model, _unpatched_weights(clip.patcher))}:{dtype}",
         "layer": _canonical(getattr(clip, "layer_idx", None), "clip-skip layer"),
         "tokenizer": {"class": f"{tokenizer.__module__}.{tokenizer.__qualname__}",
@@ -239,6 +252,7 @@ class ComfyEncoders:
         self.clip = clip
         self._ids: dict[str, object] = {}
         self.frame_step = vae_frame_step(vae)  # clips are cut to 1 or frame_step*k+1 frames
+        self.prep_extras = cache_extras(clip)  # what the text encoder's family computes per item (SDXL's size/crop)
 
     def latent_identity(self) -> str:
         if "vae" not in self._ids:
@@ -256,8 +270,13 @@ class ComfyEncoders:
 
     def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
         tokens = self.clip.tokenize(caption)
-        cond, pooled = self.clip.encode_from_tokens(tokens, return_pooled=True)
+        # As CLIPTextEncode encodes: the dict form also carries the attention mask where the encoder gives one.
+        encoded = self.clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
+        cond, pooled = encoded["cond"], encoded.get("pooled_output")
         out = {"cond": cond[0].to(torch.float32).cpu().contiguous()}
         if pooled is not None:
             out["pooled"] = pooled[0].to(torch.float32).cpu().contiguous()
+        mask = encoded.get(TEXT_ATTENTION_MASK)
+        if mask is not None:
+            out[TEXT_ATTENTION_MASK] = mask[0].cpu().contiguous()
         return out

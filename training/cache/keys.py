@@ -14,6 +14,10 @@ default: half the bytes on disk and in every reading rank). That storage dtype i
 when it is not fp32, so the keys of fp32 entries, written before the choice existed, are unchanged:
 old caches keep being found and read (the reader brings any stored dtype to the training dtype).
 
+An image-to-video item's start-image conditioning (the Cache node's ``start_image`` option, see
+start_image.py: the mode, gray value, CLIP crop and the CLIP-vision model's identity) joins the latent
+key only when it is cached, so caches made without it keep their keys.
+
 Each kind has its own format version, so a change to the text key (version 4 added clip-skip,
 tokenizer options and patches) re-encodes captions only, never the far costlier latents.
 """
@@ -35,6 +39,7 @@ _CHANGE_NAMES = {
     "vae": "VAE changed (weights or dtype)",
     "scaling": "latent scaling changed",
     "references": "reference images changed",
+    "start_image": "start-image conditioning changed",
     "caption": "caption changed",
     "encoder": "text encoder changed",
     "stored": "stored text dtype changed",
@@ -51,13 +56,16 @@ def _canonical_json(value: object) -> str:
 
 
 def latent_components(source_digest: str, preprocessing: dict, vae_identity: str,
-                      references: tuple[str, ...] = ()) -> dict:
+                      references: tuple[str, ...] = (), start_image: dict | None = None) -> dict:
     """Everything a latent depends on, by name (kept beside the key to explain re-encodes).
-    ``references``: content digests of the item's reference images, in order (absent without any)."""
+    ``references``: content digests of the item's reference images, in order (absent without any);
+    ``start_image``: the start-image conditioning's identity (absent without one)."""
     out = {"kind": "latent", "v": LATENT_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
            "vae": vae_identity, "scaling": LATENT_SCALING}
     if references:
         out["references"] = list(references)
+    if start_image:
+        out["start_image"] = start_image
     return out
 
 
@@ -75,13 +83,22 @@ def prep_signature(preprocessing: dict) -> str:
     return _canonical_json(preprocessing)
 
 
-def latent_key(source_digest: str, prep_sig: str, vae_identity: str, references: tuple[str, ...] = ()) -> str:
+def start_image_signature(start_image: dict | None) -> str:
+    """Canonical text of a start-image identity ("" without one); computed once per cache run."""
+    return _canonical_json(start_image) if start_image else ""
+
+
+def latent_key(source_digest: str, prep_sig: str, vae_identity: str, references: tuple[str, ...] = (),
+               start_image_sig: str = "") -> str:
     """The key of :func:`latent_components` (fields joined in a fixed order: revalidating 10,000 items
-    must not spend its budget on JSON). Without references the key is what it was before they existed,
-    so caches of plain datasets stay valid."""
+    must not spend its budget on JSON). Without references or a start image (``start_image_sig`` from
+    :func:`start_image_signature`) the key is what it was before they existed, so caches of plain
+    datasets stay valid."""
     fields = ("latent", str(LATENT_FORMAT_VERSION), LATENT_SCALING, json.dumps(vae_identity), prep_sig, source_digest)
     if references:
         fields += ("references", *references)
+    if start_image_sig:
+        fields += ("start_image", start_image_sig)
     return _hash("\x1f".join(fields))
 
 
@@ -137,6 +154,8 @@ def change_reason(old: dict, new: dict) -> str:
             text = f"{text} ({_part_changes(a, b)})"
         elif name == "references":
             text = f"{text} ({_reference_changes(a or [], b or [])})"
+        elif name == "start_image":
+            text = f"{text} ({(a or {}).get('mode', 'none')} -> {(b or {}).get('mode', 'none')})"
         elif name == "encoder":
             text = f"{text} (weights or dtype)"
         parts.append(text)

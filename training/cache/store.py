@@ -12,6 +12,9 @@ own bucket and center-cropped like the item, so it has the target's latent size:
 one bucket stack into a micro-batch without padding, and the edit models (Kontext, Qwen-Image-Edit)
 take a reference of the target's size. Their content digests are part of the latent key: a changed
 reference re-encodes exactly its item (target and references, one entry).
+
+Image-to-video items (the Cache node's ``start_image``, see start_image.py) get their start-image
+conditioning (``concat_latent``, and ``clip_fea`` with a CLIP-vision model) in the same latent entry.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from .keys import (
     latent_components,
     latent_key,
     prep_signature,
+    start_image_signature,
     text_components,
     text_key,
 )
 from .media import Probe, load_image, load_video, probe_image, probe_video
+from .prep_extras import extras_signature, item_crop, make_extras
 from .shards import ShardWriter, checksum, pack
+from .start_image import StartImage
 
 CROP_NOTE_THRESHOLD = 0.25  # report items losing more than this share of their area to the crop
 _POLL_S = 0.1
@@ -114,18 +120,20 @@ class _Planned:
 
 
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
-                text_dtype: str = "fp32") -> CacheResult:
+                text_dtype: str = "fp32", start_image: StartImage | None = None) -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
-    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype)
+    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
-               progress: Progress | None = None, text_dtype: str = "fp32") -> CacheResult:
+               progress: Progress | None = None, text_dtype: str = "fp32",
+               start_image: StartImage | None = None) -> CacheResult:
     """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
 
-    ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype."""
+    ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype.
+    ``start_image``: image-to-video start-image conditioning to cache with each latent (none by default)."""
     start = time.monotonic()
-    filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype)
+    filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image)
     try:
         result = filler.run()
     finally:
@@ -144,8 +152,9 @@ def _file_digest(path: str) -> str:
 
 class _Filler:
     def __init__(self, root: Path, dataset: DatasetSpec, encoders: Encoders, progress: Progress | None,
-                 text_dtype: str = "fp32"):
+                 text_dtype: str = "fp32", start_image: StartImage | None = None):
         self.root = root
+        self.start_image = start_image or StartImage()
         self.text_dtype = text_dtype
         self.dataset = dataset
         self.settings = dataset.bucket_settings
@@ -221,13 +230,16 @@ class _Filler:
         plan = plan_buckets(s)
         self.report.notes.extend(plan.notes)
         vae_id, text_sig = self.encoders.latent_identity(), encoder_signature(self.encoders.text_identity())
+        start_sig = start_image_signature(self.start_image.identity())
         known = self.index.sources()
+        self.source_sizes: dict[str, tuple[int, int]] = {}  # path -> probed (width, height), for prep extras
         preps: dict[Bucket, tuple[dict, str]] = {}
         out = []
         for entry in self.dataset.entries:
             name = os.path.basename(entry.path)
             try:
                 digest, probe = self.source(entry, known)
+                self.source_sizes[entry.path] = (probe.width, probe.height)
             except Exception as exc:  # noqa: BLE001 - one bad file never stops the cache
                 self.report.skipped.append(f"{name}: cannot read it ({type(exc).__name__}: {exc})")
                 continue
@@ -256,16 +268,19 @@ class _Filler:
                 if bucket not in preps:
                     prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
                             "resize": "lanczos", "fps": s.fps if video else None}
+                    if self.prep_extras:  # in the key only for the families that ask (prep_extras.py)
+                        prep["extras"] = extras_signature(self.prep_extras)
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
-                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id, ref_digests), tkey,
+                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id, ref_digests, start_sig), tkey,
                                     ref_digests))
         return out
 
     def components(self, p: _Planned, kind: str) -> dict:
         """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
         if kind == "latent":
-            return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references)
+            return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references,
+                                     self.start_image.identity())
         return text_components(p.entry.caption, self.encoders.text_identity(), self.text_dtype)
 
     # ---- phase 3: encode --------------------------------------------------------------------
@@ -278,6 +293,8 @@ class _Filler:
                 pixels = load_image(planned.entry.path, b)
             tensors = {"latent": self.encoders.encode_latent(pixels)}
             tensors.update(self._encode_references(planned))
+            tensors.update(self._prep_extras_of(planned))
+            tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
         else:
             tensors = stored_text(self.encoders.encode_text(planned.entry.caption), self.text_dtype)
         data = pack(tensors)
@@ -298,6 +315,18 @@ class _Filler:
             latent = self.encoders.encode_latent(pixels)
             out[reference_extra(i)] = latent[:, 0] if latent.ndim == 4 and latent.shape[1] == 1 else latent
         return out
+
+    @property
+    def prep_extras(self) -> dict:
+        """Extras the text encoder's family asks the cache to compute per item (prep_extras.py)."""
+        return getattr(self.encoders, "prep_extras", None) or {}
+
+    def _prep_extras_of(self, planned: _Planned) -> dict[str, object]:
+        """The item's preprocessing extras (e.g. SDXL's size and crop), from its probed size and bucket."""
+        if not self.prep_extras:
+            return {}
+        width, height = self.source_sizes[planned.entry.path]
+        return make_extras(self.prep_extras, item_crop(width, height, planned.bucket.width, planned.bucket.height))
 
     def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, str],
                slots: dict[str, tuple[str, str]], deferred: dict[str, tuple[str, _Planned]]) -> None:

@@ -5,6 +5,11 @@ ComfyUI MODEL) and calls these; every rule they apply comes from the family adap
 video or image, text widths, named extras, LoRA targets), so a new family brings its own checks
 with its module. Nothing here builds stage layers, imports the trainer libraries (DeepSpeed, PEFT)
 or loads a tensor: it runs in the ComfyUI process.
+
+Timestep settings are checked against the model's prediction kind (:func:`timestep_problems`: the
+flow-only ones are refused for eps/v models), and a family's own rules over its options, the
+timesteps and the cached latents run through the adapter's optional ``preflight_problems``
+(:func:`family_rule_problems`; e.g. Wan's expert range and ``first_frame_clean``, Qwen-Image's frames).
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..cache.start_image import START_IMAGE_EXTRAS
 from ..loss import prediction_type
+from ..spec import TimestepSpec
 from .base import REFERENCE_PREFIX, ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
+from .options import parse_family_options
 from .targets import model_targets
 
 MAX_NAMED = 20  # items named per problem; the rest are counted
@@ -182,10 +190,15 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
     """Every required extra is in the cache, and every cached one has the shape the model declares.
 
     Reference images (``reference_<i>``, the Dataset node's control folder) get their own wording, and
-    cached references the model takes no extra for are problems too: they would be dropped silently."""
+    cached references the model takes no extra for are problems too: they would be dropped silently. So is
+    start-image conditioning (the Cache node's ``start_image``) for a model that takes none, e.g. a
+    text-to-video model: it is an error, not a warning, because the user asked for image-to-video
+    training and would get a LoRA that never saw the start image. A spec's ``fix`` (if it has one) says
+    which Cache node option makes a missing extra."""
     missing: dict[str, list[str]] = {}
     wrong: dict[str, list[str]] = {}
     unused: dict[str, list[str]] = {}
+    unused_start: dict[str, list[str]] = {}
     for source, latent_entry, text_entry in shapes.items:
         latent = shapes.latents.get(latent_entry)
         if latent is None:
@@ -194,6 +207,8 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         for name in shapes.extras.get(latent_entry, {}):
             if name.startswith(REFERENCE_PREFIX) and name not in specs:
                 unused.setdefault(name, []).append(source)
+            elif name in START_IMAGE_EXTRAS and name not in specs:
+                unused_start.setdefault(name, []).append(source)
         for name, spec in specs.items():
             entry = latent_entry if spec.source == "latent" else text_entry
             got = shapes.extras.get(entry, {}).get(name)
@@ -213,8 +228,9 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
                        f"{_named(sources)}: give the Dataset node a control folder with reference images named "
                        f"like the training images ({_reference_file(name)} for this one) and cache again.")
             continue
+        fix = getattr(specs[name], "fix", "") or "cache the dataset again with the inputs this model needs"
         out.append(f"The {family} model needs {what} ('{name}') for every item, and the cache has none for "
-                   f"{_named(sources)}: cache the dataset again with the inputs this model needs.")
+                   f"{_named(sources)}: {fix}.")
     if unused:
         takes = sorted(n for n in specs if n.startswith(REFERENCE_PREFIX))
         what = f"takes only {', '.join(takes)}" if takes else "takes no reference images"
@@ -223,6 +239,16 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         out.append(f"The cache holds reference images the {family} model would ignore ({held}): the model {what}. "
                    "Remove those references from the control folder (or clear control_folder), or load an edit "
                    "model, and cache again.")
+    if unused_start:
+        held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unused_start.items()))
+        takes = sorted(n for n in specs if n in START_IMAGE_EXTRAS)
+        if takes:  # an image-to-video model without a CLIP-vision input (Wan 2.2 I2V)
+            fix = (f"the model takes only {', '.join(takes)}: disconnect clip_vision from 'Cache Latents & Text' "
+                   "and cache again")
+        else:
+            fix = ("the model is not an image-to-video model: load the image-to-video model you meant to train, or "
+                   "set start_image to none (and disconnect clip_vision) on 'Cache Latents & Text' and cache again")
+        out.append(f"The cache holds start-image conditioning the {family} model would ignore ({held}): {fix}.")
     for name, found in wrong.items():
         out.append(f"The cached '{name}' of {_named(found)} does not fit the {family} model: cache again with "
                    "this model's encoders.")
@@ -246,3 +272,82 @@ def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[s
                                  inputs.pooled_dim, inputs.family)
     out += extra_problems(shapes, inputs.extras, inputs.family)
     return out
+
+
+# ---- timestep settings and family options against the model ----------------------------------------
+_PREDICTION_NAMES = {"eps": "eps-prediction", "v": "v-prediction"}
+
+
+def timestep_problems(timesteps: TimestepSpec, prediction: str, family: str,
+                      sigma_range: tuple[float, float]) -> list[str]:
+    """Settings of 'Timestep Sampling (PipeTrainer)' that only mean something for flow-matching models.
+
+    ``shift`` none / fixed / resolution map a draw in [0, 1] straight to a flow-matching sigma (noise
+    share 0 to 1), and ``sigma_min`` / ``sigma_max`` are such noise shares; an eps- or v-prediction
+    model (SDXL, CosXL) has its own sigma schedule (``sigma_range``, e.g. 0.03 to 14.6), so those
+    settings would train noise levels its sampler never visits. ``prediction``: training/loss.py's kind.
+    """
+    if prediction == "flow":
+        return []
+    kind = _PREDICTION_NAMES.get(prediction, prediction)
+    low, high = sigma_range
+    schedule = f"its own sigma schedule ({low:.3g} to {high:.3g})"
+    out = []
+    if timesteps.shift != "model":
+        out.append(f"Timestep Sampling: shift '{timesteps.shift}' maps draws to flow-matching noise levels (0 to 1), "
+                   f"but this {family} model is {kind} with {schedule}: set shift to 'model' on the Timestep "
+                   "Sampling node (or disconnect it; distribution and logit_mean/logit_std still apply).")
+    if timesteps.sigma_min > 0.0 or timesteps.sigma_max < 1.0:
+        out.append(f"Timestep Sampling: sigma_min {timesteps.sigma_min} / sigma_max {timesteps.sigma_max} are "
+                   f"flow-matching noise levels (0 to 1), but this {family} model is {kind} with {schedule}: set "
+                   "sigma_min to 0 and sigma_max to 1 on the Timestep Sampling node (or disconnect it).")
+    return out
+
+
+def model_timestep_problems(model_base: object, timesteps: TimestepSpec) -> list[str]:
+    """:func:`timestep_problems` for a ComfyUI ``BaseModel`` (its ``model_sampling`` says the kind)."""
+    inputs = model_inputs(model_base)
+    if inputs is None:
+        return []
+    ms = model_base.model_sampling
+    try:
+        prediction = prediction_type(ms)
+    except NotImplementedError:
+        return []  # refused by model_support_problems
+    return timestep_problems(timesteps, prediction, inputs.family, (float(ms.sigma_min), float(ms.sigma_max)))
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What a family's own preflight rules may look at (an adapter's optional ``preflight_problems``).
+
+    ``options``: the family's typed options (``options_type``); ``timesteps``: the run's timestep
+    settings; ``latents``: source name -> cached latent shape (``[C, H, W]`` or ``[C, F, H, W]``).
+    """
+
+    options: object
+    timesteps: TimestepSpec
+    latents: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def family_rule_problems(model_base: object, family_options: Mapping[str, object], timesteps: TimestepSpec,
+                         shapes: CachedShapes | None = None) -> list[str]:
+    """The family adapter's own rules for this model, its options and the cache, when it has any.
+
+    An adapter may define ``preflight_problems(diffusion_model, facts: FamilyFacts) -> list[str]``
+    (pure; e.g. Wan: an expert whose sigma range is empty, ``first_frame_clean`` on a model that is
+    not TI2V). Options that do not parse are reported by the Train node and skipped here."""
+    inputs = model_inputs(model_base)
+    if inputs is None:
+        return []
+    adapter = adapter_for(inputs.family)
+    check = getattr(adapter, "preflight_problems", None)
+    if check is None:
+        return []
+    options, problems = parse_family_options(inputs.family, adapter.options_type, dict(family_options))
+    if problems:
+        return []
+    latents = {}
+    if shapes is not None:
+        latents = {source: shapes.latents[entry] for source, entry, _ in shapes.items if entry in shapes.latents}
+    return list(check(model_base.diffusion_model, FamilyFacts(options, timesteps, latents)))

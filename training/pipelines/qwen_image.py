@@ -46,6 +46,7 @@ from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
 MAX_REFERENCES = 3  # TextEncodeQwenImageEditPlus takes up to 3 images
+_NAMED = 20  # sources named in a preflight problem; the rest are counted
 
 _ATTENTION = r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)"
 _MLP = r"(img|txt)_mlp\.net\.(0\.proj|2)"
@@ -251,6 +252,19 @@ class QwenImageAdapter:
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
         return None
+
+    def preflight_problems(self, diffusion_model: nn.Module, facts) -> list[str]:
+        """Video latents (more than one frame), which the embed layer would refuse only once training runs.
+
+        The reference limit needs no rule here: a cached ``reference_3`` or later has no extra of this
+        family and preflight names it (training/pipelines/checks.py ``extra_problems``)."""
+        videos = sorted(source for source, shape in facts.latents.items() if len(shape) == 4 and shape[1] > 1)
+        if not videos:
+            return []
+        shown = ", ".join(videos[:_NAMED]) + (f" and {len(videos) - _NAMED} more" if len(videos) > _NAMED else "")
+        return [f"Qwen-Image trains on images (one latent frame: ComfyUI's Qwen-Image takes frames only as the layers "
+                f"of Qwen-Image-Layered), and the cache holds videos: {shown}. Remove them from the dataset (or set "
+                "max_frames to 1 on the Dataset node to train their first frame) and cache again."]
 
     def text_length(self, lengths: Sequence[int]) -> int:
         """The longest cond of the micro-batch; the others get zero tokens, nothing is cut.

@@ -5,11 +5,13 @@ Eps- and v-prediction SDXL models (and the smaller SDXL-class distillations Comf
 by the model's own ``model_sampling`` (ComfyUI reads the ``v_pred`` / ``ztsnr`` flags of the file),
 in training/loss.py. Playground 2.5 (EDM prediction) has another formula and is refused there by
 name; inpainting and InstructPix2Pix SDXL (image latents concatenated to the noise) are refused here;
-the refiner (``SDXLRefiner``) is another model class and is not registered. Known gap: CosXL-style
-files (``edm_vpred``: v-prediction on ComfyUI's continuous EDM schedule) load as v-prediction SDXL and
-train with the right target, but the shared default sigma sampling (training/timesteps.py
-``model_sigma``) assumes timestep 0 is the smallest sigma, which holds for discrete and flow schedules
-and not for the EDM one (its draws start at sigma 1, not 0.002).
+the refiner (``SDXLRefiner``) is another model class and is not registered. CosXL-style files
+(``edm_vpred``: v-prediction on ComfyUI's continuous EDM schedule, ``ModelSamplingContinuousEDM``
+with the file's own sigma range) train with the v target, and their default sigmas span the file's
+range as ComfyUI's ``normal`` scheduler does (training/timesteps.py ``timestep_range``: their
+timesteps are ``log(sigma) / 4``, so the range starts at ``timestep(sigma_min)``, not at 0).
+Flow-only timestep settings (shift none / fixed / resolution, sigma_min / sigma_max) are refused for
+every SDXL model in preflight (training/pipelines/checks.py ``timestep_problems``).
 
 Stage tuples (``B`` batch, ``T`` text tokens; ``hs`` the UNet's skip stack, newest last):
 
@@ -39,17 +41,21 @@ keeps LoRA targets on every stage; tests/test_sdxl.py pins this on the real layo
 
 Size / crop conditioning. ComfyUI's ``SDXL.encode_adm`` builds ``y`` from the pooled CLIP-G vector and
 256-wide Fourier embeddings of ``(height, width, crop_h, crop_w, target_height, target_width)`` in
-pixels. The honest values are the source image's size and the crop the bucketing made; the cache
-does not record them yet, so they come from the optional extra ``size_crop`` (int64 ``[6]`` in that
-order, in the latent entry) and, when it is absent, from what ComfyUI's samplers feed a plain
-``CLIPTextEncode``: the latent's size times 8 for both sizes and no crop (``encode_model_conds``).
-That default tells the model "this image was made at exactly this size, uncropped", which is what
-sampling asks for; it does not teach the model which training images were upscaled or cropped.
+pixels. The honest values are the source image's size and the crop the bucketing made: the Cache
+node writes them as the extra ``size_crop`` (int64 ``[6]`` in that order, in the latent entry) when it
+encodes with SDXL's text encoders (:meth:`SDXLAdapter.cache_extras`; training/cache/prep_extras.py):
+the source's size as decoded, the top/left offset of the bucket's window in the source scaled to
+cover the bucket, and the bucket's size (what kohya's trainers call ``original_size``,
+``crop_coords`` and ``target_size``). A cache without it (written before, or by hand) falls back to
+what ComfyUI's samplers feed a plain ``CLIPTextEncode``: the latent's size times 8 for both sizes and
+no crop (``encode_model_conds``), i.e. "made at exactly this size, uncropped", which is what sampling
+asks for but does not teach the model which training images were upscaled or cropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -58,7 +64,11 @@ from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, re
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
+if TYPE_CHECKING:
+    from ..cache.prep_extras import CacheExtra, ItemCrop
+
 SIZE_EXTRA = "size_crop"
+SIZE_CROP_VERSION = 1  # of size_crop_of; part of the latent key of caches that hold it
 SIZE_VALUES = 6  # height, width, crop_h, crop_w, target_height, target_width (model_base.SDXL.encode_adm)
 SIZE_EMBED_DIM = 256  # model_base.SDXL.embedder = Timestep(256)
 PIXELS_PER_LATENT = 8  # what comfy.samplers.encode_model_conds multiplies the latent size by
@@ -261,6 +271,19 @@ class SDXLAdapter:
             description=("the image's original size, crop offset and target size in pixels "
                          "(height, width, crop_h, crop_w, target_height, target_width)"))}
 
+    def cache_extras(self, clip: object) -> Mapping[str, CacheExtra]:
+        """``size_crop`` for every item, when the Cache node encodes with SDXL's text encoders.
+
+        The Cache node sees no model; ComfyUI's ``SDXLClipModel`` (CLIP-L + CLIP-G, what SDXL checkpoints
+        and DualCLIPLoader's ``sdxl`` type load) is the sign that the cache is for an SDXL-class model."""
+        from comfy.sdxl_clip import SDXLClipModel
+
+        from ..cache.prep_extras import CacheExtra
+
+        if not isinstance(getattr(clip, "cond_stage_model", None), SDXLClipModel):
+            return {}
+        return {SIZE_EXTRA: CacheExtra(SIZE_CROP_VERSION, size_crop_of)}
+
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
         """Latent pixels (the UNet has no tokens; only the resolution-dependent shift reads this)."""
         h, w = latent_shape[-2:]
@@ -289,6 +312,13 @@ class SDXLAdapter:
         shorter cond to a common multiple when it batches conds, which leaves attention unchanged; the
         shared batching appends zeros.)"""
         return max(lengths)
+
+
+def size_crop_of(crop: ItemCrop) -> torch.Tensor:
+    """``[6]`` int64 in ``SDXL.encode_adm``'s order (``CLIPTextEncodeSDXL``'s height, width, crop_h, crop_w,
+    target_height, target_width): the source's size, the crop's top/left offset, the bucket's size."""
+    return torch.tensor([crop.source_height, crop.source_width, crop.crop_top, crop.crop_left, crop.height,
+                         crop.width], dtype=torch.int64)
 
 
 def default_size_crop(latent_hw: tuple[int, int]) -> torch.Tensor:

@@ -29,7 +29,8 @@ Layouts (all ComfyUI model classes ``WAN21`` / ``WAN22``):
   the noise, a 4-channel mask (1 on the first latent frame) and the start-image latent, concatenated on
   channels as ``WAN21.concat_cond`` builds them from ``WanImageToVideo``'s outputs for one start image
   (extra ``concat_latent``: the raw VAE latent of the clip's first frame followed by gray frames, given
-  ``process_latent_in`` like the training latent). Wan 2.1 I2V also takes clip-vision features
+  ``process_latent_in`` like the training latent; the Cache node's ``start_image = first_frame`` builds it,
+  see training/cache/start_image.py). Wan 2.1 I2V also takes clip-vision features
   (optional extra ``clip_fea``: the penultimate hidden states of CLIP-vision ViT-H of the first frame),
   embedded by ``img_emb`` in front of the text tokens, with image cross-attention (``k_img``/``v_img``).
 
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cache.start_image import CLIP_FEA, CONCAT_LATENT
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -78,9 +80,8 @@ _RELATIVES = {
 }
 
 MASK_CHANNELS = 4  # WAN21.concat_cond's mask: one channel per pixel frame of a latent frame
-CONCAT_LATENT = "concat_latent"
-CLIP_FEA = "clip_fea"
 EXPERTS = ("none", "high_noise", "low_noise")
+TI2V_CHANNELS = 48  # Wan 2.2 VAE latents: ComfyUI detects TI2V-5B (WAN22_T2V) by out_dim 48
 T2V_BOUNDARY, I2V_BOUNDARY = 0.875, 0.9  # the Wan 2.2 reference's expert switch (sigma), per task
 
 
@@ -93,6 +94,9 @@ class WanOptions:
     ``expert``: ``none``, or the Wan 2.2 A14B expert this file is (``high_noise`` trains sigmas at or
     above the boundary, ``low_noise`` below it). ``expert_boundary``: that boundary sigma; 0 takes the
     Wan 2.2 reference's (0.875 text-to-video, 0.9 image-to-video, from the model's layout).
+    Preflight (:meth:`WanAdapter.preflight_problems`) refuses ``first_frame_clean`` on a model that is not
+    TI2V, ``expert`` on one that cannot be an A14B expert (TI2V-5B, Wan 2.1 I2V with clip vision; the
+    width is not checked) and an expert range the Timestep Sampling bounds leave empty.
     """
 
     first_frame_clean: bool = False
@@ -108,6 +112,21 @@ class WanOptions:
         if self.expert_boundary and self.expert == "none":
             out.append("expert_boundary is set but expert is none: choose high_noise or low_noise, or clear it.")
         return out
+
+
+@dataclass(frozen=True)
+class StartImageExtra(ExtraSpec):
+    """An extra the Cache node builds on request: ``fix`` is what the user sets when it is missing."""
+
+    fix: str = ""
+
+
+def _layout_name(dm: nn.Module) -> str:
+    """``"TI2V"`` (Wan 2.2 TI2V-5B: 48 channels, as ComfyUI's detection tells it), ``"I2V"`` (a
+    concatenated start image) or ``"T2V"``."""
+    if _concat_channels(dm):
+        return "I2V"
+    return "TI2V" if int(dm.out_dim) == TI2V_CHANNELS else "T2V"
 
 
 def _concat_channels(dm: nn.Module) -> int:
@@ -274,10 +293,13 @@ class WanAdapter:
         dm = diffusion_model
         out = {}
         if _concat_channels(dm):
-            out[CONCAT_LATENT] = ExtraSpec(
+            clip = (" and connect the CLIP vision model of Wan 2.1 I2V (e.g. clip_vision_h, 'Load CLIP Vision') to its "
+                    "clip_vision input" if dm.img_emb is not None else "")
+            out[CONCAT_LATENT] = StartImageExtra(
                 shape=("C", "F", "H", "W"), is_latent=True,
                 description="the start-image latent (the VAE latent of the clip's first frame followed by gray "
-                            "frames, as WanImageToVideo encodes it; the Cache node does not make it yet)")
+                            "frames, as WanImageToVideo encodes it)",
+                fix=f"set start_image to first_frame on 'Cache Latents & Text'{clip}, and cache again")
         if dm.img_emb is not None:
             out[CLIP_FEA] = ExtraSpec(
                 shape=("*", 1280), required=False,
@@ -336,6 +358,39 @@ class WanAdapter:
         if options.expert_boundary:
             return options.expert_boundary
         return I2V_BOUNDARY if _concat_channels(diffusion_model) else T2V_BOUNDARY
+
+    def preflight_problems(self, diffusion_model: nn.Module, facts) -> list[str]:
+        """Wan options that do not fit this model or the run's timesteps (training/pipelines/checks.py
+        ``FamilyFacts``), each naming the option and the fix."""
+        from ..timesteps import MIN_SIGMA_RANGE
+
+        options, dm = facts.options, diffusion_model
+        if not isinstance(options, WanOptions):
+            return []
+        out = []
+        layout = _layout_name(dm)
+        if options.first_frame_clean and layout != "TI2V":
+            how = ("gets its start frame through the concatenated start-image latent" if layout == "I2V" else
+                   "has no per-frame timestep in ComfyUI (WAN22.process_timestep is the TI2V model class's), so a "
+                   "clean first frame would train what its sampler never does")
+            out.append(f"Wan option first_frame_clean is for Wan 2.2 TI2V-5B ({TI2V_CHANNELS} latent channels); this "
+                       f"{layout} model {how}: turn first_frame_clean off, or load the TI2V-5B model.")
+        if options.expert != "none" and (layout == "TI2V" or dm.img_emb is not None):
+            what = ("Wan 2.2 TI2V-5B is one model for every noise level" if layout == "TI2V" else
+                    "this Wan 2.1 image-to-video model (clip-vision input) is one model for every noise level")
+            out.append(f"Wan option expert '{options.expert}' is for the two files of a Wan 2.2 A14B model (high-noise "
+                       f"and low-noise experts); {what}: set expert to none (and expert_boundary to 0).")
+        bounds = self.sigma_bounds(dm, options)
+        if bounds is not None:
+            ts = facts.timesteps
+            low, high = max(ts.sigma_min, bounds[0]), min(ts.sigma_max, bounds[1])
+            if high - low < MIN_SIGMA_RANGE:
+                out.append(f"Wan option expert '{options.expert}' trains sigmas in [{bounds[0]:g}, {bounds[1]:g}] "
+                           f"(expert_boundary {self.expert_boundary(dm, options):g}), and Timestep Sampling's "
+                           f"sigma_min {ts.sigma_min:g} / sigma_max {ts.sigma_max:g} leave (almost) nothing of it: "
+                           "widen sigma_min/sigma_max on the Timestep Sampling node (or disconnect it), or change "
+                           "expert_boundary.")
+        return out
 
     def run_metadata(self, diffusion_model: nn.Module, options: object) -> dict[str, str]:
         """LoRA file metadata of this run's Wan options (the expert and its boundary, a clean first frame)."""

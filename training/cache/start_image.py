@@ -1,0 +1,104 @@
+"""Start-image conditioning of image-to-video models, cached per item as ComfyUI's ``WanImageToVideo`` builds it.
+
+Wan 2.1 / 2.2 image-to-video models take, besides the noise, the VAE latent of a start image followed
+by gray frames (``concat_latent``) and Wan 2.1 I2V also the CLIP-vision features of that image
+(``clip_fea``). At inference the stock graph makes them with ``CLIP Vision Encode`` (crop ``none``, as
+ComfyUI's Wan image-to-video template sets it; the penultimate hidden states reach the model through
+``WAN21.extra_conds``) and ``WanImageToVideo`` (start image resized to the video's size, every other
+frame gray 0.5, ``length`` = the video's frame count). The Cache node's ``start_image = first_frame``
+builds exactly that for every item from the item's own first frame, already resized and
+center-cropped to its bucket (the frame the training latent starts with), with the item's frame count;
+an image item (1 frame) gets the latent of itself, as ``WanImageToVideo`` with ``length`` 1 does.
+
+The mode, the gray value, the CLIP crop mode and the CLIP-vision model's identity (weights fingerprint,
+dtype, input size and normalization) join the latent key (keys.py) only when a start image is cached,
+so the keys of caches made without it are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .encoders import _unpatched_weights, weights_fingerprint
+
+START_IMAGE_MODES = ("none", "first_frame")
+NO_START_IMAGE = "none"
+CONCAT_LATENT = "concat_latent"  # the extra names the Wan family reads (training/pipelines/wan.py)
+CLIP_FEA = "clip_fea"
+START_IMAGE_EXTRAS = (CONCAT_LATENT, CLIP_FEA)
+GRAY = 0.5  # WanImageToVideo's value for the frames after the start image
+CLIP_CROP = "none"  # CLIP Vision Encode's crop in ComfyUI's Wan image-to-video template: squash, no crop
+
+
+def start_clip_pixels(first: torch.Tensor, frames: int) -> torch.Tensor:
+    """``[frames, H, W, 3]``: ``first`` (``[1, H, W, C]``) followed by gray frames, as WanImageToVideo fills
+    its image before encoding it."""
+    out = torch.full((frames, *first.shape[1:3], 3), GRAY, dtype=first.dtype, device=first.device)
+    out[:1] = first[..., :3]
+    return out
+
+
+def clip_vision_identity(clip_vision) -> str:
+    """What of a ComfyUI ``ClipVisionModel`` changes its features: the (unpatched) weights and their dtype,
+    the model class, the input size and the normalization ``encode_image`` applies."""
+    model = clip_vision.model
+    dtype = next((p.dtype for p in model.parameters()), None)
+    weights = weights_fingerprint(model, _unpatched_weights(getattr(clip_vision, "patcher", None)))
+    prep = f"{clip_vision.image_size}|{list(clip_vision.image_mean)}|{list(clip_vision.image_std)}"
+    return f"{weights}:{dtype}:{type(model).__name__}:{prep}"
+
+
+def clip_vision_features(clip_vision, first: torch.Tensor) -> torch.Tensor:
+    """``[tokens, width]``: what ``CLIP Vision Encode`` (crop none) gives ``WAN21.extra_conds`` as ``clip_fea``
+    (the penultimate hidden states) for the image ``first`` (``[1, H, W, C]``)."""
+    output = clip_vision.encode_image(first[..., :3], crop=CLIP_CROP == "center")
+    return output["penultimate_hidden_states"][0].to(torch.float32).cpu().contiguous()
+
+
+class StartImage:
+    """The Cache node's start-image option and its CLIP-vision model (optional)."""
+
+    def __init__(self, mode: str = NO_START_IMAGE, clip_vision=None):
+        self.mode = mode
+        self.clip_vision = clip_vision
+        self._identity: dict | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != NO_START_IMAGE
+
+    def problems(self) -> list[str]:
+        """Settings the cache cannot honour, phrased as the fix."""
+        if self.mode not in START_IMAGE_MODES:
+            return [f"start_image must be one of {', '.join(START_IMAGE_MODES)} (got {self.mode!r})."]
+        if self.clip_vision is not None and not self.active:
+            return ["A CLIP vision model is connected to 'Cache Latents & Text' but start_image is none, so it would "
+                    "not be used: set start_image to first_frame (image-to-video training), or disconnect it."]
+        return []
+
+    def identity(self) -> dict | None:
+        """The named parts of the start-image conditioning for the latent key; None without one (old keys)."""
+        if not self.active:
+            return None
+        if self._identity is None:
+            clip = None
+            if self.clip_vision is not None:
+                clip = {"model": clip_vision_identity(self.clip_vision), "crop": CLIP_CROP}
+            self._identity = {"mode": self.mode, "gray": GRAY, "clip_vision": clip}
+        return self._identity
+
+    def encode(self, pixels: torch.Tensor, latent: torch.Tensor,
+               encode_latent: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The extras of one item whose bucket-sized ``pixels`` (``[F, H, W, C]``) encoded to ``latent``."""
+        if not self.active:
+            return {}
+        first = pixels[:1, ..., :3]
+        frames = int(pixels.shape[0])
+        # One frame: WanImageToVideo encodes the start image alone, which is the item's own latent.
+        concat = latent.clone() if frames == 1 else encode_latent(start_clip_pixels(first, frames))
+        out = {CONCAT_LATENT: concat}
+        if self.clip_vision is not None:
+            out[CLIP_FEA] = clip_vision_features(self.clip_vision, first)
+        return out
