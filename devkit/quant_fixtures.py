@@ -130,11 +130,12 @@ def write_gguf(source: Path, target: Path, qtype: str = "Q8_0", arch: str = "sd3
 
     keys = set(linear_weight_keys(source))
     kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
     writer = gguf.GGUFWriter(str(target), arch=arch)
     twin: dict[str, torch.Tensor] = {}
     for index, (k, v) in enumerate(sorted(_state(source).items())):
         array = v.float().numpy()
-        if k in keys:
+        if k in keys and array.shape[-1] % block == 0:  # rows that fill no block stay F32, as converters keep them
             if qtype in _K_QUANTS:
                 raw, values = _random_k_blocks(array.shape, qtype, seed=index)
             else:

@@ -46,6 +46,11 @@ def _lora_tensors(key: str, patch: tuple) -> dict[str, torch.Tensor]:
             f"{stem}.alpha": torch.tensor(scaled_alpha)}
 
 
+def stacked_levels(model) -> int:
+    """How many LoRA levels are stacked on the MODEL (the most patches on any one weight); 0 for none."""
+    return max((len(patches) for patches in getattr(model, "patches", {}).values()), default=0)
+
+
 def write_stacked_loras(model, recipe: ModelRecipe, folder: str | Path) -> ModelRecipe:
     """Write the MODEL's LoRA patches into ``folder`` and return the recipe that replays them."""
     levels: list[dict[str, torch.Tensor]] = []

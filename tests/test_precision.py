@@ -18,12 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.engine import _inputs_need_grad
-from pipetrainer.training.lora_file import comfy_key_for, lora_state_dict
-from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
-from pipetrainer.training.loss import mse_loss
+from pipetrainer.tests.quant_helpers import (
+    bits,
+    comfy_compute_dtype,
+    random_batch,
+    train_steps,
+    trainer_vs_comfyui,
+    with_lora,
+)
+from pipetrainer.training.lora_inject import freeze_all_but_lora, named_lora_parameters
 from pipetrainer.training.model_source import load_model, model_options
-from pipetrainer.training.pipelines.base import Batch, adapter_for
 from pipetrainer.training.spec import (
     WEIGHT_DTYPES,
     CacheItem,
@@ -59,7 +63,6 @@ CASES = {
 QUANTIZED = ["bf16", "fp8_e4m3fn", "fp8_e5m2"]
 COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LORA = LoraSpec(rank=4, alpha=4.0, targets="all_linear")
-ADAPTER = "SD3"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -69,50 +72,8 @@ def _load(path: Path, case: Case):
     return load_model(ModelRecipe("diffusion_model", str(path), case.weight_dtype), case.compute)
 
 
-def _comfy_compute_dtype(model) -> torch.dtype:
-    """The dtype ComfyUI computes this model in (its BaseModel._apply_model casts inputs to it)."""
-    return model.manual_cast_dtype or model.get_dtype()
-
-
-def _with_lora(patcher, lora: LoraSpec = LORA):
-    """The stage layers over the patcher's model with PEFT LoRA injected, as the engine builds them."""
-    adapter = adapter_for(ADAPTER)
-    layers = list(enumerate(adapter.stage_layers(patcher.model.diffusion_model), start=1))
-    count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
-    assert count == {"attention_mlp": 29, "all_linear": 37}[lora.targets]  # 4 blocks; the last text stream is pre-only
-    stage = torch.nn.ModuleDict({str(i): layer for i, layer in layers})
-    return adapter, layers, stage
-
-
-def _run(layers, inputs):
-    """The stage layers in order, as one pipeline stage runs them."""
-    out = inputs
-    for _, layer in layers:
-        out = layer(out)
-    return out
-
-
-def _random_batch(seed: int = 0, tokens: int = 77):
-    """``(x0, cond, pooled, noise, sigma)`` shaped like the tiny MMDiT's 64 px CLIP-L inputs, batch 2."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, tokens, 768, generator=g),
-            torch.randn(2, 768, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
-
-
-def _model_inputs(model, x0, cond, pooled, noise, sigma):
-    """``(noisy, timestep, cond, pooled)`` in ComfyUI's compute dtype, built with the model's own sampling."""
-    dtype = _comfy_compute_dtype(model)
-    noisy = model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1), noise, x0)
-    return noisy.to(dtype), model.model_sampling.timestep(sigma).float(), cond.to(dtype), pooled.to(dtype)
-
-
 def _base_weights(stage) -> dict[str, torch.Tensor]:
     return {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, for exact comparisons of any dtype (fp8 included)."""
-    return t.detach().contiguous().view(torch.uint8)
 
 
 def _trainer_vs_comfyui(model_path: Path, case: Case, lora: LoraSpec, tensors: dict[str, torch.Tensor] | None, batch):
@@ -121,40 +82,10 @@ def _trainer_vs_comfyui(model_path: Path, case: Case, lora: LoraSpec, tensors: d
     Trainer: the stage layers with PEFT LoRA holding ``tensors`` (a LoRA file's; None: random B).
     ComfyUI: a second load of the same quantized base with the file through its stock LoRA loader.
     """
-    import comfy.sd
-
-    ours = _load(model_path, case)
-    adapter, layers, stage = _with_lora(ours, lora)
-    params = named_lora_parameters(stage)
-    paths = {i: layer.comfy_paths for i, layer in layers}
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in params.items():
-            if tensors is None:
-                if ".lora_B." in name:
-                    p.normal_(0.0, 0.5, generator=g)
-            else:
-                key, kind = comfy_key_for(name, paths)
-                p.copy_(tensors[f"{key}.{kind}"])
-    if tensors is None:
-        tensors = lora_state_dict(params, paths, lora.alpha)
-    noisy, timestep, cond, pooled = _model_inputs(ours.model, *batch)
-    with torch.no_grad():
-        got = _run(layers, adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled, options=adapter.options_type())))
+    diff, effect, _, got = trainer_vs_comfyui(_load(model_path, case), lambda: _load(model_path, case), lora,
+                                              tensors, batch)
     assert got.dtype == COMPUTE[case.compute]
-
-    theirs = _load(model_path, case)
-    dm = theirs.model.diffusion_model
-    with torch.no_grad():
-        plain = dm(noisy, timestep, context=cond, y=pooled).float()
-        patched, _ = comfy.sd.load_lora_for_models(theirs, None, tensors, 1.0, 0)
-        patched.patch_model()
-        try:
-            reference = dm(noisy, timestep, context=cond, y=pooled).float()
-        finally:
-            patched.unpatch_model()
-    scale = reference.abs().max().item()
-    return (got.float() - reference).abs().max().item() / scale, (reference - plain).abs().max().item() / scale
+    return diff, effect
 
 
 # ---- fast tier: dtypes as asked -------------------------------------------------------------
@@ -177,8 +108,8 @@ def test_loaded_model_stores_and_computes_in_the_dtypes_asked_for(fixture_paths,
     """On CPU ComfyUI would compute a bf16 or fp8 model in fp32 (its manual cast): the trainer overrides it."""
     case = CASES[name]
     patcher = _load(fixture_paths.mmdit, case)
-    assert _comfy_compute_dtype(patcher.model) == COMPUTE[case.compute]
-    _, _, stage = _with_lora(patcher)
+    assert comfy_compute_dtype(patcher.model) == COMPUTE[case.compute]
+    _, _, stage = with_lora(patcher, LORA)
     freeze_all_but_lora(stage)
     base = _base_weights(stage)
     assert sum(n.endswith("base_layer.weight") for n in base) == 37
@@ -189,8 +120,8 @@ def test_loaded_model_stores_and_computes_in_the_dtypes_asked_for(fixture_paths,
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_initial_lora_is_fp32_and_bitwise_equal_to_the_fp32_base_init(fixture_paths, name):
     """PEFT moves a new adapter to its base weight's dtype; the init must not be rounded through it."""
-    _, _, reference = _with_lora(_load(fixture_paths.mmdit, CASES["fp32"]))
-    _, _, stage = _with_lora(_load(fixture_paths.mmdit, CASES[name]))
+    _, _, reference = with_lora(_load(fixture_paths.mmdit, CASES["fp32"]), LORA)
+    _, _, stage = with_lora(_load(fixture_paths.mmdit, CASES[name]), LORA)
     expected, got = named_lora_parameters(reference), named_lora_parameters(stage)
     assert got.keys() == expected.keys() and len(got) == 2 * 37
     for key, value in got.items():
@@ -208,37 +139,22 @@ def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(fixture_paths
     Checkpointed steps, as the engine runs them, are the real-process tests' part (slow tier)."""
     case = CASES[name]
     patcher = _load(fixture_paths.mmdit, case)
-    adapter, layers, stage = _with_lora(patcher)
+    adapter, layers, stage = with_lora(patcher, LORA)
     params = freeze_all_but_lora(stage)
-    before = {n: _bits(p).clone() for n, p in _base_weights(stage).items()}
-    optimizer = torch.optim.AdamW(params, lr=3e-2, weight_decay=0.0)
-    x0, cond, pooled, noise, sigma = _random_batch(tokens=8)
-    noisy, timestep, cond, pooled = _model_inputs(patcher.model, x0, cond, pooled, noise, sigma)
-    inputs = adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled, options=adapter.options_type()))
-    target = noise - x0
-    values = []
-    for _ in range(6):
-        out = _run(layers, _inputs_need_grad(inputs))
-        assert out.dtype == COMPUTE[case.compute]
-        loss = mse_loss(out, target)
-        loss.backward()
-        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
-        assert all(torch.isfinite(p.grad).all() for p in params)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        values.append(loss.item())
+    before = {n: bits(p).clone() for n, p in _base_weights(stage).items()}
+    values = train_steps(patcher, adapter, layers, params, 6, compute=COMPUTE[case.compute])
     assert all(math.isfinite(v) for v in values)
     assert values[-1] < 0.85 * values[0], values  # measured: 0.75x for each case
     after = _base_weights(stage)
     assert after.keys() == before.keys()
     assert all(p.dtype == case.stored and not p.requires_grad for p in after.values())
-    assert all(torch.equal(_bits(after[n]), before[n]) for n in before)
+    assert all(torch.equal(bits(after[n]), before[n]) for n in before)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_comfyui_applied_lora_reproduces_the_trainer_forward(fixture_paths, name):
     case = CASES[name]
-    diff, effect = _trainer_vs_comfyui(fixture_paths.mmdit, case, LORA, None, _random_batch(1))
+    diff, effect = _trainer_vs_comfyui(fixture_paths.mmdit, case, LORA, None, random_batch(1))
     assert diff <= case.tolerance, (diff, case.tolerance)
     # The LoRA moves the output by ~0.25 of its scale: the comparison cannot pass without it.
     assert effect > 2 * case.tolerance, (effect, case.tolerance)
@@ -285,7 +201,7 @@ def test_load_node_offers_every_weight_dtype_for_inference(fixture_paths, weight
     model = PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, weight_dtype).result[0].model
     stored = {"default": torch.float32, "fp8_e5m2": torch.float8_e5m2}.get(weight_dtype, torch.float8_e4m3fn)
     assert model.get_dtype() == stored  # CPU: ComfyUI keeps "default" in the file's fp32
-    x0, cond, pooled, noise, sigma = _random_batch()
+    x0, cond, pooled, noise, sigma = random_batch()
     with torch.no_grad():
         out = model.apply_model(noise, sigma, c_crossattn=cond, y=pooled)
     assert out.shape == x0.shape and torch.isfinite(out).all()

@@ -20,12 +20,19 @@ import pytest
 import torch
 from pipetrainer.devkit import quant_fixtures
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.engine import _inputs_need_grad
-from pipetrainer.training.lora_file import comfy_key_for, lora_state_dict
-from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
-from pipetrainer.training.loss import mse_loss
+from pipetrainer.tests.quant_helpers import (
+    LINEARS,
+    bits,
+    lora_layers,
+    random_batch,
+    storage,
+    train_steps,
+    unmapped_keys,
+    with_lora,
+)
+from pipetrainer.tests.quant_helpers import trainer_vs_comfyui as shared_trainer_vs_comfyui
+from pipetrainer.training.lora_inject import freeze_all_but_lora
 from pipetrainer.training.model_source import load_model
-from pipetrainer.training.pipelines.base import Batch, adapter_for
 from pipetrainer.training.quant.formats import WeightFormat, file_weight_format
 from pipetrainer.training.quant.guards import set_float_weights_trainable
 from pipetrainer.training.quant.layers import QuantLinearLora, is_comfy_quant_linear
@@ -34,7 +41,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 LORA = LoraSpec(rank=4, alpha=4.0, targets="all_linear")
-LINEARS = 37  # the tiny MMDiT's Linear layers (4 blocks; the last text stream is pre-only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +65,6 @@ FORMATS = {
     "scaled_fp8": Format(WeightFormat.SCALED_FP8, quant_fixtures.write_scaled_fp8, torch.float8_e4m3fn, 8e-2),
     "per_layer": Format(WeightFormat.PER_LAYER, quant_fixtures.write_per_layer, torch.float8_e4m3fn, 5e-2),
 }
-ADAPTER = "SD3"
 
 
 @pytest.fixture(scope="module")
@@ -80,60 +85,6 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
     return module.base_layer.weight if hasattr(module, "base_layer") else module.weight
 
 
-def _storage(weight: torch.Tensor) -> torch.Tensor:
-    """The bytes a quantized weight holds: ComfyUI's ``QuantizedTensor`` keeps them in ``_qdata``."""
-    data = getattr(weight, "_qdata", None)
-    return (weight.data if data is None else data)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return _storage(t).detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _with_lora(patcher, lora: LoraSpec = LORA):
-    adapter = adapter_for(ADAPTER)
-    layers = list(enumerate(adapter.stage_layers(patcher.model.diffusion_model), start=1))
-    count = inject_lora(layers, adapter.lora_target_regex(lora.targets), lora, seed=0)
-    assert count == {"attention_mlp": 29, "all_linear": LINEARS}[lora.targets]
-    return adapter, layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers})
-
-
-def _lora_layers(stage) -> dict[str, torch.nn.Module]:
-    """``{name: LoRA-wrapped layer}`` (PEFT's LoraLayer or our QuantLinearLora)."""
-    from peft.tuners.lora import LoraLayer
-
-    return {n: m for n, m in stage.named_modules() if isinstance(m, (LoraLayer, QuantLinearLora))}
-
-
-def _run(layers, inputs):
-    out = inputs
-    for _, layer in layers:
-        out = layer(out)
-    return out
-
-
-def _random_batch(seed: int = 0, tokens: int = 77):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, tokens, 768, generator=g),
-            torch.randn(2, 768, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8]))
-
-
-def _model_inputs(model, x0, cond, pooled, noise, sigma):
-    dtype = model.manual_cast_dtype or model.get_dtype()
-    noisy = model.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1), noise, x0)
-    return noisy.to(dtype), model.model_sampling.timestep(sigma).float(), cond.to(dtype), pooled.to(dtype)
-
-
-def unmapped_keys(tensors: dict[str, torch.Tensor], patcher) -> set[str]:
-    """LoRA file keys ComfyUI's key map for this model does not take (its loader would skip them)."""
-    import comfy.lora
-
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    stems = {k.rsplit(".", 2)[0] if k.endswith((".lora_A.weight", ".lora_B.weight")) else k.rsplit(".", 1)[0]
-             for k in tensors}
-    return {s for s in stems if s not in key_map}
-
-
 def _reference_compute(path: Path, compute: str) -> str:
     """ComfyUI 0.3.75's per-layer-quantized layers compute only in the dtype chosen at load (fp32 on CPU):
     there, ComfyUI's reference runs in fp32 (the trainer's layers cast to it and back: QuantLinearLora)."""
@@ -150,41 +101,9 @@ def trainer_vs_comfyui(path: Path, lora: LoraSpec, tensors: dict[str, torch.Tens
     Trainer: the stage layers over the replayed quantized base with the LoRA holding ``tensors``
     (None: random B). ComfyUI: a second load of the same file with its stock LoRA loader.
     """
-    import comfy.sd
-
-    ours = _load(path, compute)
-    adapter, layers, stage = _with_lora(ours, lora)
-    params = named_lora_parameters(stage)
-    paths = {i: layer.comfy_paths for i, layer in layers}
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in params.items():
-            if tensors is None:
-                if ".lora_B." in name:
-                    p.normal_(0.0, 0.5, generator=g)
-            else:
-                key, kind = comfy_key_for(name, paths)
-                p.copy_(tensors[f"{key}.{kind}"])
-    if tensors is None:
-        tensors = lora_state_dict(params, paths, lora.alpha)
-    inputs = _model_inputs(ours.model, *batch)
-    noisy, timestep, cond, pooled = inputs
-    with torch.no_grad():
-        got = _run(layers, adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled,
-                                                            options=adapter.options_type())))
-    theirs = _load(path, _reference_compute(path, compute))
-    dm = theirs.model.diffusion_model
-    noisy, timestep, cond, pooled = _model_inputs(theirs.model, *batch)
-    with torch.no_grad():
-        plain = dm(noisy, timestep, context=cond, y=pooled).float()
-        patched, _ = comfy.sd.load_lora_for_models(theirs, None, tensors, 1.0, 0)
-        patched.patch_model()
-        try:
-            reference = dm(noisy, timestep, context=cond, y=pooled).float()
-        finally:
-            patched.unpatch_model()
-    scale = reference.abs().max().item()
-    return (got.float() - reference).abs().max().item() / scale, (reference - plain).abs().max().item() / scale, tensors
+    diff, effect, tensors, _ = shared_trainer_vs_comfyui(
+        _load(path, compute), lambda: _load(path, _reference_compute(path, compute)), lora, tensors, batch)
+    return diff, effect, tensors
 
 
 # ---- fast tier -------------------------------------------------------------------------------
@@ -201,15 +120,15 @@ def test_file_format_is_read_from_the_header(quantized, fixture_paths, name):
 def test_replayed_base_keeps_the_files_quantized_bytes(quantized, name):
     """Every Linear weight stays in the file's fp8 bytes (never dequantized to bf16 as a whole)."""
     patcher = _load(quantized[name])
-    _, _, stage = _with_lora(patcher)
-    wrapped = _lora_layers(stage)
+    _, _, stage = with_lora(patcher, LORA)
+    wrapped = lora_layers(stage)
     assert len(wrapped) == LINEARS
     per_layer = FORMATS[name].fmt is WeightFormat.PER_LAYER or (
         FORMATS[name].fmt is WeightFormat.SCALED_FP8 and any(is_comfy_quant_linear(m.base_layer) for m in wrapped.values()))
     with safe_open(str(quantized[name]), framework="pt") as f:
         for layer in wrapped.values():
             weight = _linear_weight(layer)
-            assert _storage(weight).dtype == FORMATS[name].stored
+            assert storage(weight).dtype == FORMATS[name].stored
             if per_layer:
                 assert type(weight).__name__ == "QuantizedTensor" or type(weight.data).__name__ == "QuantizedTensor"
                 assert isinstance(layer, QuantLinearLora)
@@ -220,40 +139,29 @@ def test_replayed_base_keeps_the_files_quantized_bytes(quantized, name):
                     "final_layer.linear.weight"):
             module = dm.get_submodule(key.rsplit(".", 1)[0])
             module = getattr(module, "base_layer", module)
-            assert torch.equal(_bits(module.weight), _bits(f.get_tensor(key))), key
+            assert torch.equal(bits(module.weight), bits(f.get_tensor(key))), key
 
 
 @pytest.mark.parametrize("name", [n if n != "fp8_e5m2" else pytest.param(n, marks=pytest.mark.slow) for n in FORMATS])
 def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(quantized, name):
     patcher = _load(quantized[name])
-    adapter, layers, stage = _with_lora(patcher)
+    adapter, layers, stage = with_lora(patcher, LORA)
     params = freeze_all_but_lora(stage)
     assert len(params) == 2 * LINEARS and {p.dtype for p in params} == {torch.float32}
     base = {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
-    before = {n: _bits(p).clone() for n, p in base.items()}
-    optimizer = torch.optim.AdamW(params, lr=3e-2, weight_decay=0.0)
-    x0, cond, pooled, noise, sigma = _random_batch(tokens=8)
-    noisy, timestep, cond, pooled = _model_inputs(patcher.model, x0, cond, pooled, noise, sigma)
-    inputs = adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled, options=adapter.options_type()))
-    values = []
-    for _ in range(6):
-        loss = mse_loss(_run(layers, _inputs_need_grad(inputs)), noise - x0)
-        loss.backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        values.append(loss.item())
+    before = {n: bits(p).clone() for n, p in base.items()}
+    values = train_steps(patcher, adapter, layers, params, 6)
     assert all(math.isfinite(v) for v in values)
     assert values[-1] < 0.85 * values[0], values
     after = {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
     assert after.keys() == before.keys()
     assert all(not p.requires_grad for p in after.values())
-    assert all(torch.equal(_bits(after[n]), before[n]) for n in before)
+    assert all(torch.equal(bits(after[n]), before[n]) for n in before)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_comfyui_applied_lora_reproduces_the_trainer_forward(quantized, fixture_paths, name):
-    diff, effect, tensors = trainer_vs_comfyui(quantized[name], LORA, None, _random_batch(1))
+    diff, effect, tensors = trainer_vs_comfyui(quantized[name], LORA, None, random_batch(1))
     tolerance = FORMATS[name].tolerance
     assert diff <= tolerance, (diff, tolerance)
     assert effect > 2 * tolerance, (effect, tolerance)  # the LoRA moves the output: the check can fail
@@ -341,11 +249,7 @@ def test_quantized_file_trains_in_the_real_process(trained, quantized, fixture_p
     assert effect > 10 * FORMATS[name].tolerance, effect
 
 
-def test_stacked_loras_on_scaled_weights_are_refused_with_the_fix(quantized):
-    for name in ("scaled_fp8", "per_layer"):
-        recipe = ModelRecipe("diffusion_model", str(quantized[name]), loras=(("stacked.safetensors", 1.0),))
-        with pytest.raises(ValueError, match=r"cannot be merged into its scaled weights.*remove the LoRA loaders"):
-            load_model(recipe, "bf16")
+# Stacked LoRAs on scaled bases: tests/test_stacked_quantized_preflight.py (preflight and loader).
 
 
 def test_gguf_without_comfyui_gguf_says_where_to_get_it(tmp_path):

@@ -22,22 +22,18 @@ import pytest
 import torch
 from pipetrainer.devkit import quant_fixtures
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.tests.test_quantized import (
-    LORA,
-    _bits,
-    _lora_layers,
-    _model_inputs,
-    _random_batch,
-    _run,
-    _with_lora,
+from pipetrainer.tests.quant_helpers import (
+    bits,
+    lora_layers,
+    model_inputs,
+    random_batch,
+    train_steps,
+    trainer_vs_comfyui,
     unmapped_keys,
+    with_lora,
 )
-from pipetrainer.training.engine import _inputs_need_grad
-from pipetrainer.training.lora_file import comfy_key_for, lora_state_dict
-from pipetrainer.training.lora_inject import freeze_all_but_lora, named_lora_parameters
-from pipetrainer.training.loss import mse_loss
+from pipetrainer.training.lora_inject import freeze_all_but_lora
 from pipetrainer.training.model_source import load_model
-from pipetrainer.training.pipelines.base import Batch
 from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec
 from safetensors.torch import load_file
 
@@ -48,6 +44,7 @@ pytestmark = pytest.mark.skipif(not GGUF_PATH or not Path(GGUF_PATH, "ops.py").i
 # ComfyUI-applied LoRA (patches applied by ComfyUI-GGUF at dequantization, in its patch dtype) vs the
 # trainer's forward (fp32 LoRA branch added to the dequantized layer's output), bf16 compute: bound on
 # max|diff| / max|output|, ~2.5-4x the values measured on ComfyUI 0.3.75 (comments; effect of the LoRA 0.25-0.47).
+LORA = LoraSpec(rank=4, alpha=4.0, targets="all_linear")
 QTYPES = {"Q8_0": 1.5e-2, "Q6_K": 1.5e-2, "Q5_K": 1.5e-2, "Q4_K": 1.5e-2}  # 3.4e-3, 6.3e-3, 5.4e-3, 6.5e-3
 
 
@@ -82,8 +79,8 @@ def test_gguf_base_stays_quantized_and_the_lora_trains(gguf_files, qtype):
     import gguf
 
     patcher = _load(gguf_files[qtype])
-    adapter, layers, stage = _with_lora(patcher)
-    wrapped = _lora_layers(stage)
+    adapter, layers, stage = with_lora(patcher, LORA)
+    wrapped = lora_layers(stage)
     reader = gguf.GGUFReader(str(gguf_files[qtype]))
     file_bytes = {t.name: torch.from_numpy(t.data.copy()).reshape(-1).view(torch.uint8) for t in reader.tensors}
     kind = gguf.GGMLQuantizationType[qtype]
@@ -92,70 +89,30 @@ def test_gguf_base_stays_quantized_and_the_lora_trains(gguf_files, qtype):
         if hasattr(module, "base_layer") and name:
             weight = module.base_layer.weight
             assert type(weight).__name__ == "GGMLTensor" and weight.tensor_type == kind, name
-            assert torch.equal(_bits(weight), file_bytes[f"{name}.weight"]), name
+            assert torch.equal(bits(weight), file_bytes[f"{name}.weight"]), name
     assert len(wrapped) == 37
     params = freeze_all_but_lora(stage)
-    before = {n: _bits(p).clone() for n, p in stage.named_parameters() if ".lora_" not in n}
-    optimizer = torch.optim.AdamW(params, lr=3e-2, weight_decay=0.0)
-    x0, cond, pooled, noise, sigma = _random_batch(tokens=8)
-    noisy, timestep, cond, pooled = _model_inputs(patcher.model, x0, cond, pooled, noise, sigma)
-    inputs = adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled, options=adapter.options_type()))
-    values = []
-    for _ in range(4):
-        loss = mse_loss(_run(layers, _inputs_need_grad(inputs)), noise - x0)
-        loss.backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        values.append(loss.item())
+    before = {n: bits(p).clone() for n, p in stage.named_parameters() if ".lora_" not in n}
+    values = train_steps(patcher, adapter, layers, params, 4)
     assert all(math.isfinite(v) for v in values) and values[-1] < 0.9 * values[0], values
     after = {n: p for n, p in stage.named_parameters() if ".lora_" not in n}
-    assert all(torch.equal(_bits(after[n]), before[n]) for n in before)
+    assert all(torch.equal(bits(after[n]), before[n]) for n in before)
 
 
 def gguf_trainer_vs_comfyui(path: Path, lora: LoraSpec, tensors, batch) -> tuple[float, float, dict]:
-    import comfy.sd
     from pipetrainer.training.quant.gguf import gguf_module
 
-    ours = _load(path)
-    adapter, layers, stage = _with_lora(ours, lora)
-    params = named_lora_parameters(stage)
-    paths = {i: layer.comfy_paths for i, layer in layers}
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in params.items():
-            if tensors is None:
-                if ".lora_B." in name:
-                    p.normal_(0.0, 0.5, generator=g)
-            else:
-                key, kind = comfy_key_for(name, paths)
-                p.copy_(tensors[f"{key}.{kind}"])
-    if tensors is None:
-        tensors = lora_state_dict(params, paths, lora.alpha)
-    noisy, timestep, cond, pooled = _model_inputs(ours.model, *batch)
-    with torch.no_grad():
-        got = _run(layers, adapter.first_stage_inputs(Batch(noisy, timestep, cond, pooled,
-                                                            options=adapter.options_type())))
     # ComfyUI-GGUF's loader node returns its own ModelPatcher subclass: LoRA patches are kept on the
     # quantized weights and applied when a layer dequantizes.
     patcher_class = gguf_module(GGUF_PATH, "nodes").GGUFModelPatcher
-    theirs = patcher_class.clone(_load(path))
-    dm = theirs.model.diffusion_model
-    with torch.no_grad():
-        plain = dm(noisy, timestep, context=cond, y=pooled).float()
-        patched, _ = comfy.sd.load_lora_for_models(theirs, None, tensors, 1.0, 0)
-        patched.patch_model()
-        try:
-            reference = dm(noisy, timestep, context=cond, y=pooled).float()
-        finally:
-            patched.unpatch_model()
-    scale = reference.abs().max().item()
-    return (got.float() - reference).abs().max().item() / scale, (reference - plain).abs().max().item() / scale, tensors
+    diff, effect, tensors, _ = trainer_vs_comfyui(_load(path), lambda: patcher_class.clone(_load(path)), lora,
+                                                  tensors, batch)
+    return diff, effect, tensors
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_comfyui_applied_lora_on_the_gguf_base_reproduces_the_trainer(gguf_files, qtype):
-    diff, effect, tensors = gguf_trainer_vs_comfyui(gguf_files[qtype], LORA, None, _random_batch(1))
+    diff, effect, tensors = gguf_trainer_vs_comfyui(gguf_files[qtype], LORA, None, random_batch(1))
     assert diff <= QTYPES[qtype], (diff, QTYPES[qtype])
     assert effect > 2 * QTYPES[qtype], effect
     assert unmapped_keys(tensors, _load(gguf_files[qtype])) == set()
@@ -179,3 +136,42 @@ def test_gguf_q8_trains_in_the_real_process(gguf_files, demo_cache, comfy_root, 
     assert len(values) == 12 and sum(values[-4:]) < 0.8 * sum(control[-4:]), (values, control)
     tensors = load_file(spec.lora_output)
     assert unmapped_keys(tensors, _load(path)) == set()
+
+
+def _saved_bytes_and_input_grad(patcher, batch) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for the backward of one forward of the diffusion model, and d(loss)/d(input)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[id(t)] = t.numel() * t.element_size()
+        return t
+
+    noisy, timestep, cond, pooled = model_inputs(patcher.model, *batch)
+    noisy = noisy.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = patcher.model.diffusion_model(noisy, timestep, context=cond, y=pooled)
+    out.float().square().mean().backward()
+    return sum(saved.values()), noisy.grad
+
+
+def test_gguf_linears_keep_no_dequantized_weight_for_the_backward(gguf_files):
+    """ComfyUI-GGUF's own forward (the instance hook removed) is the oracle for the input gradient; it keeps
+    the dequantized weights for the backward (measured: ~12 of the 18.6 MB of bf16 weights), ours none."""
+    from pipetrainer.training.quant.gguf import gguf_module
+
+    ours = _load(gguf_files["Q8_0"])
+    theirs = _load(gguf_files["Q8_0"])
+    ggml_linears = [m for m in theirs.model.diffusion_model.modules()
+                    if isinstance(m, gguf_module(GGUF_PATH, "ops").GGMLLayer) and isinstance(m, torch.nn.Linear)]
+    linears = [m for m in theirs.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(ggml_linears) == len(linears) > 37 and all("forward_ggml_cast_weights" in vars(m) for m in linears)
+    for module in ggml_linears:
+        del module.forward_ggml_cast_weights  # back to ComfyUI-GGUF's class method
+    weight_bytes = sum(math.prod(m.weight.shape) * 2 for m in ggml_linears if m.is_ggml_quantized())  # as bf16
+    batch = random_batch(2, tokens=8)
+    ours_saved, ours_grad = _saved_bytes_and_input_grad(ours, batch)
+    theirs_saved, theirs_grad = _saved_bytes_and_input_grad(theirs, batch)
+    # Layers whose input needs no gradient (the timestep and pooled-text embedders) keep nothing either way.
+    assert theirs_saved - ours_saved >= 0.6 * weight_bytes, (ours_saved, theirs_saved, weight_bytes)
+    assert ours_saved <= 0.1 * weight_bytes, (ours_saved, weight_bytes)
+    assert torch.equal(ours_grad, theirs_grad)

@@ -19,6 +19,7 @@ import torch
 from .fingerprint import file_fingerprint
 from .quant.formats import WeightFormat, file_weight_format
 from .quant.guards import force_full_precision_matmul, match_fixed_compute_dtypes
+from .quant.stacking import CHECKPOINT_PREFIX, recipe_base_kind, stacked_lora_problem
 from .sampling_override import apply_sampling_override
 from .spec import ModelRecipe
 from .stage_weights import DeferredWeights, release_modules
@@ -91,9 +92,10 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
         )
     if recipe.loader not in _LOADERS:
         raise ValueError(f"Unknown model loader {recipe.loader!r} in the run spec (known: {', '.join(_LOADERS)}).")
-    if recipe.loader == "gguf" and recipe.loras:
-        raise ValueError("LoRAs stacked on a GGUF model cannot be merged into its quantized weights before training; "
-                         "remove the LoRA loaders between the GGUF loader and Train LoRA.")
+    if recipe.loras:  # the Train node's preflight refuses these first; a hand-written spec lands here
+        problem = stacked_lora_problem(recipe_base_kind(recipe.loader, recipe.path), len(recipe.loras))
+        if problem:
+            raise ValueError(problem)
     load = _LOADERS[recipe.loader]
     if deferred is None or _loads_only_in_full(recipe):
         patcher = load(recipe, compute_dtype)
@@ -118,34 +120,28 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
 def _loads_only_in_full(recipe: ModelRecipe) -> bool:
     """ComfyUI 0.3.75's per-layer-quantized Linear raises when its weight is not in the state dict it is
     given, so the stage-wise deferred load (training/stage_weights.py) cannot keep its weights aside:
-    such a file loads in full on every rank (its weights stay fp8). Current ComfyUI defers it as usual."""
+    such a file loads in full on every rank (its weights stay fp8). Current ComfyUI defers it as usual.
+
+    GGUF always loads in full: its weights are views of the memory-mapped file (loading reads nothing;
+    other stages' layers are released unread), while a deferred load would make ComfyUI-GGUF fill every
+    Linear whose weight it was not given with fp32 zeros: 4 bytes per weight of the whole model, held
+    until the stage's share is loaded (measured: the worker's peak on Flux-min was set there)."""
     import comfy.ops
 
+    if recipe.loader == "gguf":
+        return True
     if recipe.loader not in ("diffusion_model", "checkpoint") or hasattr(comfy.ops, "QuantLinearFunc"):
         return False
     prefix = CHECKPOINT_PREFIX if recipe.loader == "checkpoint" else ""
     return file_weight_format(recipe.path, prefix)[0] is WeightFormat.PER_LAYER
 
 
-def _refuse_stacked_loras_on_scaled_weights(recipe: ModelRecipe, fmt: WeightFormat) -> None:
-    """Merging a LoRA into scaled fp8 or per-layer-quantized weights needs their scales (ComfyUI
-    requantizes with stochastic rounding); training refuses rather than merge it without them."""
-    if recipe.loras and fmt in (WeightFormat.SCALED_FP8, WeightFormat.PER_LAYER):
-        raise ValueError(f"LoRAs stacked on a {fmt.value} model cannot be merged into its scaled weights before "
-                         "training; remove the LoRA loaders between the model loader and Train LoRA (or merge the "
-                         "LoRA into a full-precision file and train on that).")
-
-
 def _load_diffusion_model(recipe: ModelRecipe, compute_dtype: str):
     import comfy.sd
 
     fmt, fp8 = file_weight_format(recipe.path)
-    _refuse_stacked_loras_on_scaled_weights(recipe, fmt)
     options = model_options(recipe.weight_dtype, compute_dtype, fp8 if fmt is WeightFormat.FP8 else None)
     return comfy.sd.load_diffusion_model(recipe.path, model_options=options)
-
-
-CHECKPOINT_PREFIX = "model.diffusion_model."  # where ComfyUI's checkpoint loader finds the diffusion model
 
 
 def _load_checkpoint(recipe: ModelRecipe, compute_dtype: str):
@@ -153,7 +149,6 @@ def _load_checkpoint(recipe: ModelRecipe, compute_dtype: str):
     import comfy.sd
 
     fmt, fp8 = file_weight_format(recipe.path, CHECKPOINT_PREFIX)
-    _refuse_stacked_loras_on_scaled_weights(recipe, fmt)
     options = model_options(recipe.weight_dtype, compute_dtype, fp8 if fmt is WeightFormat.FP8 else None)
     patcher = comfy.sd.load_checkpoint_guess_config(recipe.path, output_vae=False, output_clip=False,
                                                     output_clipvision=False, model_options=options)[0]
