@@ -5,7 +5,16 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..training.optimizers import missing_package_problem
-from ..training.spec import OPTIMIZERS, SCHEDULES, TARGET_PRESETS, LoraSpec, OptimizerSpec, SpecError
+from ..training.spec import (
+    ADAPTER_TYPES,
+    OPTIMIZERS,
+    SAVE_DTYPES,
+    SCHEDULES,
+    TARGET_PRESETS,
+    LoraSpec,
+    OptimizerSpec,
+    SpecError,
+)
 from .types import CATEGORY, LoraConfig, OptimizerConfig
 
 
@@ -25,13 +34,48 @@ class PipeTrainerLoRA(io.ComfyNode):
                 io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention_mlp",
                                tooltip="Which Linears get LoRA: attention only, attention + MLP, or every "
                                        "Linear of the transformer blocks (the family decides the names)."),
+                # New inputs go last (saved workflows store widget values by position) and are optional.
+                io.Combo.Input("adapter", options=list(ADAPTER_TYPES), default="lora", optional=True,
+                               tooltip="lora: B @ A (low rank). lokr: a Kronecker product of two small matrices "
+                                       "(LyCORIS LoKr; fewer parameters, set by factor). loha: the elementwise "
+                                       "product of two low-rank products (LyCORIS LoHa). All load in the stock "
+                                       "LoraLoader. DoRA is not offered: ComfyUI applies it differently from how "
+                                       "it trains. lokr/loha need dropout 0 and no LoRA+, and cannot train on "
+                                       "per-layer-quantized (scaled fp8 / mixed precision) models."),
+                io.Int.Input("factor", default=-1, min=-1, max=1024, optional=True,
+                             tooltip="lokr only: the Kronecker factor (the small matrix is factor x factor); "
+                                     "-1 picks one near the square root of each dimension."),
+                io.Combo.Input("save_dtype", options=list(SAVE_DTYPES), default="bf16", optional=True,
+                               tooltip="dtype of the saved file: bf16 (half the size, what other trainers save) "
+                                       "or fp32 (the trained weights exactly). Training is fp32 either way."),
             ],
             outputs=[LoraConfig.Output(display_name="lora", tooltip="LoRA settings for Train LoRA.")],
         )
 
     @classmethod
-    def execute(cls, rank: int, alpha: float, dropout: float, targets: str) -> io.NodeOutput:
-        return io.NodeOutput(LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=targets))
+    def validate_inputs(cls, adapter: str | None = "lora", dropout: float | None = 0.0,
+                        factor: int | None = -1) -> bool | str:
+        """The inputs that combine with the adapter type (a linked one has no value yet: :meth:`execute`
+        checks). ``factor`` is ignored unless the type is lokr, so switching types never fails on it."""
+        if adapter is None or dropout is None or factor is None:
+            return True
+        problems = cls._spec(8, 8.0, dropout, "attention_mlp", adapter, factor, "bf16").problems()
+        return "\n".join(problems) if problems else True
+
+    @staticmethod
+    def _spec(rank: int, alpha: float, dropout: float, targets: str, adapter: str, factor: int,
+              save_dtype: str) -> LoraSpec:
+        return LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=targets, adapter=adapter,
+                        factor=factor if adapter == "lokr" else -1, save_dtype=save_dtype)
+
+    @classmethod
+    def execute(cls, rank: int, alpha: float, dropout: float, targets: str, adapter: str = "lora",
+                factor: int = -1, save_dtype: str = "bf16") -> io.NodeOutput:
+        spec = cls._spec(rank, alpha, dropout, targets, adapter, factor, save_dtype)
+        problems = spec.problems()
+        if problems:
+            raise SpecError(problems)
+        return io.NodeOutput(spec)
 
 
 class PipeTrainerOptimizer(io.ComfyNode):

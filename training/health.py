@@ -36,13 +36,16 @@ def check_loss(loss: float, step: int, lr: float) -> None:
     )
 
 
-def check_lora_update(tensors: Mapping[str, torch.Tensor], step: int, lr: float) -> None:
-    """Raise :class:`LoraUntrained` naming ``step`` when every ``lora_B`` weight in ``tensors`` is zero."""
-    b = [t for key, t in tensors.items() if key.endswith(".lora_B.weight")]
+def check_lora_update(tensors: Mapping[str, torch.Tensor], step: int, lr: float,
+                      zero_suffixes: tuple[str, ...] = (".lora_B.weight",)) -> None:
+    """Raise :class:`LoraUntrained` naming ``step`` when every tensor in ``tensors`` whose key ends in one of
+    ``zero_suffixes`` (the adapter type's zero-initialised factors, training/adapters.py) is zero."""
+    b = [t for key, t in tensors.items() if key.endswith(zero_suffixes)]
     if not b or any(bool(t.any()) for t in b):
         return
+    names = "/".join(sorted({s.strip(".").removesuffix(".weight") for s in zero_suffixes}))
     raise LoraUntrained(
-        f"The LoRA is still untrained at step {step}: every lora_B weight is exactly 0, so the file would "
+        f"The LoRA is still untrained at step {step}: every {names} weight is exactly 0, so the file would "
         f"change nothing. The learning rate ({lr:g}) is too small for the optimizer to move the weights, or "
         "no gradient reaches the LoRA: raise the learning rate, or check that the LoRA targets are used "
         "by the model."

@@ -1,13 +1,15 @@
 """The LoRA file: ComfyUI key names, metadata and atomic writes.
 
-Keys are ``diffusion_model.<ComfyUI module path>.lora_A.weight`` / ``.lora_B.weight`` / ``.alpha``,
-which ComfyUI's ``model_lora_keys_unet`` maps for every architecture. The mapping from a PEFT
-parameter name inside a pipeline stage to that key is :func:`comfy_key_for`, and nothing else in the
-project builds these strings.
+Keys are ``diffusion_model.<ComfyUI module path>.<factor>`` plus ``.alpha``, with the factor names
+of the adapter type (training/adapters.py: ``lora_A.weight``/``lora_B.weight`` for LoRA, ``lokr_w1``...
+for LoKr, ``hada_w1_a``... for LoHa), which ComfyUI's ``model_lora_keys_unet`` maps for every
+architecture. The mapping from a PEFT parameter name inside a pipeline stage to that key is
+:func:`comfy_key_for`, and nothing else in the project builds these strings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -19,27 +21,28 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .adapters import adapter_kind, split_adapter_name
 from .process_util import process_alive
 from .spec import LoraSpec
 
-_PEFT_SUFFIXES = {
-    ".lora_A.default.weight": "lora_A.weight",
-    ".lora_B.default.weight": "lora_B.weight",
-}
 COMFY_PREFIX = "diffusion_model."
+SAVE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def comfy_key_for(param_name: str, layer_paths: Mapping[int, Mapping[str, str]]) -> tuple[str, str]:
-    """Map a PEFT parameter name in a pipeline module to ``(ComfyUI module key, lora_A/lora_B)``.
+def comfy_key_for(param_name: str, layer_paths: Mapping[int, Mapping[str, str]],
+                  adapter: str = "lora") -> tuple[str, str]:
+    """Map a PEFT parameter name in a pipeline module to ``(ComfyUI module key, factor's ComfyUI name)``.
 
-    ``param_name`` looks like ``"<layer index>.<attribute>.<inner path>.lora_A.default.weight"``;
-    ``layer_paths[layer index][attribute]`` is that attribute's module path in the ComfyUI model.
+    ``param_name`` looks like ``"<layer index>.<attribute>.<inner path>.lora_A.default.weight"`` (or
+    ``...lokr_w1.default`` for LoKr); ``layer_paths[layer index][attribute]`` is that attribute's
+    module path in the ComfyUI model.
     """
-    match = next(((suffix, kind) for suffix, kind in _PEFT_SUFFIXES.items() if param_name.endswith(suffix)), None)
-    if match is None:
-        raise ValueError(f"{param_name!r} is not a PEFT LoRA weight (expected lora_A/lora_B.default.weight).")
-    suffix, kind = match
-    stem = param_name[: -len(suffix)]
+    kind = adapter_kind(adapter)
+    split = split_adapter_name(param_name)
+    if split is None or split[1] not in kind.factors:
+        raise ValueError(f"{param_name!r} is not a PEFT {adapter} weight (expected <module>.<one of "
+                         f"{', '.join(kind.factors)}>.default).")
+    stem, factor = split
     index_str, _, rest = stem.partition(".")
     attr, _, inner = rest.partition(".")
     try:
@@ -47,7 +50,7 @@ def comfy_key_for(param_name: str, layer_paths: Mapping[int, Mapping[str, str]])
     except (KeyError, ValueError) as exc:
         raise ValueError(f"{param_name!r}: no ComfyUI path is known for layer {index_str} attribute {attr!r}.") from exc
     module_path = ".".join(p for p in (base, inner) if p)
-    return COMFY_PREFIX + module_path, kind
+    return COMFY_PREFIX + module_path, kind.factors[factor]
 
 
 def lora_state_dict(
@@ -55,27 +58,41 @@ def lora_state_dict(
     layer_paths: Mapping[int, Mapping[str, str]],
     alpha: float,
     dtype: torch.dtype = torch.float32,
+    lora: LoraSpec | None = None,
 ) -> dict[str, torch.Tensor]:
-    """ComfyUI-format tensors (``lora_A``/``lora_B`` per module plus ``alpha``) from PEFT parameters."""
-    out: dict[str, torch.Tensor] = {}
+    """ComfyUI-format tensors (each factor per module plus ``alpha``) from PEFT parameters.
+
+    ``lora`` gives the adapter type and rank (default: a LoRA of any rank); ``alpha`` is the one written
+    (and folded). The type's ``to_file`` works on fp32 copies (scale folding, training/adapters.py), and
+    only then is each tensor cast to ``dtype``, so a bf16 file is exactly torch's rounding of the fp32
+    one. ``alpha`` stays fp32."""
+    spec = dataclasses.replace(lora, alpha=alpha) if lora is not None else LoraSpec(alpha=alpha)
+    kind = adapter_kind(spec.adapter)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_lora_params.items():
-        module_key, kind = comfy_key_for(name, layer_paths)
-        out[f"{module_key}.{kind}"] = tensor.detach().to("cpu", dtype).contiguous()
-        out[f"{module_key}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+        module_key, _ = comfy_key_for(name, layer_paths, spec.adapter)
+        factor = split_adapter_name(name)[1]
+        modules.setdefault(module_key, {})[factor] = tensor.detach().to("cpu", torch.float32)
+    out: dict[str, torch.Tensor] = {}
+    for module_key, factors in modules.items():
+        for suffix, tensor in kind.to_file(factors, spec).items():
+            cast = tensor if suffix == "alpha" else tensor.to(dtype)
+            out[f"{module_key}.{suffix}"] = cast.contiguous()
     return out
 
 
 def stage_lora_tensors(
     stage_module: torch.nn.Module, layer_paths: Mapping[int, Mapping[str, str]], lora: LoraSpec
 ) -> dict[str, torch.Tensor]:
-    """The LoRA file tensors of one pipeline stage (what the engine saves and gathers).
+    """The LoRA file tensors of one pipeline stage (what the engine saves and gathers), in ``lora.save_dtype``.
 
     ``.alpha`` is the configured alpha, never the rank: ComfyUI scales by ``alpha / rank`` exactly as
     PEFT did during training, so the file applies at the strength that was trained.
     """
     from .lora_inject import named_lora_parameters
 
-    return lora_state_dict(named_lora_parameters(stage_module), layer_paths, lora.alpha)
+    return lora_state_dict(named_lora_parameters(stage_module), layer_paths, lora.alpha,
+                           SAVE_TORCH_DTYPES[lora.save_dtype], lora)
 
 
 def atomic_save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, object]) -> Path:

@@ -8,71 +8,62 @@ dtype; the initial values are therefore drawn here, in fp32 on the CPU, after in
 seed gives bit-identical initial LoRA weights on every base dtype and device.
 
 ComfyUI's per-layer-quantized Linears are not ``nn.Linear``: PEFT cannot wrap them, so they get the
-project's :class:`~.quant.layers.QuantLinearLora` (same layout and key names, same initialisation order).
+project's :class:`~.quant.layers.QuantLinearLora` (same layout and key names, same initialisation order);
+it implements LoRA only, so other adapter types are refused there (training/adapters.py says why, in
+preflight and here).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from .adapters import adapter_kind, init_fp32, is_adapter_parameter, quant_layer_problem
 from .pipelines.targets import layer_targets, peft_target_regex
-from .quant.layers import QuantLinearLora, wrap_quant_linears
+from .quant.layers import wrap_quant_linears
 from .spec import LoraSpec
 
 
 def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec: LoraSpec, seed: int) -> int:
-    """Add LoRA adapters to the targets of each ``(layer index, layer)``; return how many.
+    """Add adapters of ``spec.adapter``'s type to the targets of each ``(layer index, layer)``; return how many.
 
     ``target_regex`` is the family's preset over ComfyUI module paths; :mod:`.pipelines.targets`
     decides which Linears it selects (the same rule partitioning and preflight use), and PEFT is
-    given exactly those names. A is drawn like ``nn.Linear``'s default (Kaiming-uniform, a=sqrt(5))
-    and B is zero, both fp32.
+    given exactly those names, with the type's config (training/adapters.py). Initial values are fp32:
+    the type's zero factors are 0, the others Kaiming-uniform (for LoRA: A drawn, B zero).
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
+    kind = adapter_kind(spec.adapter)
     count = 0
     for index, layer in layers:
         names = list(layer_targets(layer, target_regex))
         if not names:
             continue
         linears = [n for n in names if isinstance(layer.get_submodule(n), nn.Linear)]
-        wrap_quant_linears(layer, [n for n in names if n not in linears], spec.rank, spec.alpha, spec.dropout)
+        quantized = [n for n in names if n not in linears]
+        problem = quant_layer_problem(kind, quantized)
+        if problem:
+            raise ValueError(problem)
+        wrap_quant_linears(layer, quantized, spec.rank, spec.alpha, spec.dropout)
         if linears:
-            config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                                target_modules=peft_target_regex(linears), bias="none", init_lora_weights=False)
+            config = kind.peft_config(spec, peft_target_regex(linears))
             with torch.random.fork_rng(devices=[]):  # PEFT's throw-away default init must not move the global RNG
                 inject_adapter_in_model(config, layer)
-        _init_fp32(layer, torch.Generator().manual_seed(seed * 10_007 + index))
+        init_fp32(layer, kind, torch.Generator().manual_seed(seed * 10_007 + index))
         count += len(names)
     return count
 
 
-def _init_fp32(layer: nn.Module, generator: torch.Generator) -> None:
-    """fp32 A (Kaiming-uniform, drawn on the CPU from ``generator``) and zero B for every adapter in ``layer``."""
-    from peft.tuners.lora import LoraLayer
-
-    adapters = (m for m in layer.modules() if isinstance(m, (LoraLayer, QuantLinearLora)))
-    for module in adapters:  # a fixed order: the module tree's
-        for adapter in sorted(module.lora_A.keys()):
-            lora_a, lora_b = module.lora_A[adapter].float(), module.lora_B[adapter].float()
-            init = torch.empty(lora_a.weight.shape, dtype=torch.float32)
-            nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
-            with torch.no_grad():
-                lora_a.weight.copy_(init)
-                lora_b.weight.zero_()
-
-
 def freeze_all_but_lora(module: nn.Module) -> list[nn.Parameter]:
-    """Freeze the base model, make LoRA weights trainable fp32, and return them."""
+    """Freeze the base model, make the adapter weights (any registered type) trainable fp32, and return them."""
     trainable = []
     for name, p in module.named_parameters():
-        is_lora = ".lora_A." in name or ".lora_B." in name
-        p.requires_grad_(is_lora)
-        if is_lora:
+        is_adapter = is_adapter_parameter(name)
+        p.requires_grad_(is_adapter)
+        if is_adapter:
             if p.dtype != torch.float32:
                 p.data = p.data.float()
             trainable.append(p)
@@ -80,4 +71,5 @@ def freeze_all_but_lora(module: nn.Module) -> list[nn.Parameter]:
 
 
 def named_lora_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in module.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    """The adapter weights of ``module`` (any registered type) by PEFT parameter name."""
+    return {n: p for n, p in module.named_parameters() if is_adapter_parameter(n)}

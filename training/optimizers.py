@@ -35,9 +35,12 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+from .adapters import REGISTRY
 from .spec import SCHEDULE_FREE_OPTIMIZERS, OptimizerSpec
 
-LORA_B_MARKER = ".lora_B."  # PEFT's name of the up projection, the matrix LoRA+ speeds up
+# PEFT's names of the factors LoRA+ speeds up (LoRA's up projection, lora_B): every registered
+# adapter type's ``up`` factors (training/adapters.py); types without one get no LoRA+ group.
+LORA_PLUS_MARKERS = tuple(m for kind in REGISTRY.values() for m in kind.up_markers())
 EMA_SUFFIX = "_ema"
 
 
@@ -141,7 +144,7 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], o: OptimizerS
     for name, p in named_params:
         if p.ndim < 2:
             flat.append(p)
-        elif lora_plus and LORA_B_MARKER in name:
+        elif lora_plus and any(marker in name for marker in LORA_PLUS_MARKERS):
             plus.append(p)
         else:
             decay.append(p)

@@ -160,6 +160,8 @@ _REFUSED_BECAUSE = {
     "lora.rank": "the LoRA matrices have another shape",
     "lora.alpha": "the same weights would apply at another scale",
     "lora.targets": "the LoRA sits on other layers",
+    "lora.adapter": "the checkpoint holds another adapter type's weights",
+    "lora.factor": "the LoKr matrices have another shape",
     "optimizer.name": "the saved optimizer state belongs to another optimizer",
     "train.pipeline_stages": "the checkpoint is split by pipeline stage",
     "train.partition_method": "the checkpoint is split by pipeline stage",
