@@ -1,4 +1,4 @@
-"""``scripts/pt.py`` subcommands: host, fixtures, demo."""
+"""``scripts/pt.py`` subcommands: host, fixtures, demo, ui-workflow, check-workflows."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str]) -> int:
     fx.add_argument("--flux", action="store_true", help="also build the 535 M-param Flux-min model")
     sub.add_parser("demo", help="run the example workflow headless and print the LoRA and image paths")
     sub.add_parser("ui-workflow", help="regenerate workflows/*.json (UI format) from the API-format twins")
+    sub.add_parser("check-workflows", help="check workflows/api/*.json against this host's nodes (/object_info)")
     args = parser.parse_args(argv)
     from .host import ensure_host
 
@@ -31,6 +32,29 @@ def main(argv: list[str]) -> int:
         from .demo import write_ui_workflows
 
         return write_ui_workflows()
+    if args.command == "check-workflows":
+        return check_workflows(root)
     from .demo import run_demo
 
     return run_demo()
+
+
+def check_workflows(root) -> int:
+    """Print every problem a host's ComfyUI would have with the example workflows (nodes, inputs, values)."""
+    import json
+    from pathlib import Path
+
+    from .host import ComfyServer
+    from .workflow_ui import api_problems
+
+    pack = Path(__file__).resolve().parent.parent
+    with ComfyServer(root, pack / ".host" / "check-workflows-server.log") as server:
+        object_info = server.get("/object_info")
+    failed = 0
+    for api_file in sorted((pack / "workflows" / "api").glob("*.json")):
+        problems = api_problems(json.loads(api_file.read_text()), object_info)
+        failed += bool(problems)
+        print(f"{api_file.stem}: {'ok' if not problems else ''}")
+        for problem in problems:
+            print(f"  {problem}")
+    return 1 if failed else 0

@@ -54,19 +54,35 @@ def build_tiny_wan21_i2v(path: Path, seed: int = 2125) -> Path:
     return _save_wan(path, seed, model_type="i2v", in_dim=36, out_dim=16)
 
 
-def tiny_wan21_vae(seed: int = 2101):
-    """A Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) at base width 8 with seeded weights, 0.92 M parameters,
-    as a ComfyUI ``VAE``: ComfyUI's VAE detection reads the width from ``decoder.head.0.gamma``, so it is
-    the real 16-channel, 8x spatial, 4k+1-frame causal video VAE, only narrow (in memory, no file)."""
-    import comfy.sd
+def _tiny_wan21_vae_state(seed: int) -> dict:
     from comfy.ldm.wan.vae import WanVAE
 
     from .fixtures import _randomize_scaled
 
     model = WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                    temperal_downsample=[False, True, True], dropout=0.0)
-    state = _randomize_scaled({k: v.float() for k, v in model.state_dict().items()}, seed)
-    return comfy.sd.VAE(sd=state)
+    return _randomize_scaled({k: v.float() for k, v in model.state_dict().items()}, seed)
+
+
+def tiny_wan21_vae(seed: int = 2101):
+    """A Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) at base width 8 with seeded weights, 0.92 M parameters,
+    as a ComfyUI ``VAE``: ComfyUI's VAE detection reads the width from ``decoder.head.0.gamma``, so it is
+    the real 16-channel, 8x spatial, 4k+1-frame causal video VAE, only narrow (in memory, no file)."""
+    import comfy.sd
+
+    return comfy.sd.VAE(sd=_tiny_wan21_vae_state(seed))
+
+
+WAN21_VAE_FILE = "pipetrainer-tiny-wan21-vae.safetensors"
+
+
+def build_tiny_wan21_vae(path: Path, seed: int = 2101) -> Path:
+    """:func:`tiny_wan21_vae` as a file for the stock ``VAELoader`` (``models/vae``), 3.7 MB."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_tiny_wan21_vae_state(seed), str(path))
+    return path
 
 
 HUNYUAN_VIDEO_FILE = "pipetrainer-tiny-hunyuan-video.safetensors"

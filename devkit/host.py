@@ -85,6 +85,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def extra_custom_nodes_args(folder: Path, config_dir: Path) -> tuple[str, ...]:
+    """ComfyUI arguments that also load the node packs under ``folder`` (e.g. test-only nodes), for one
+    server: an ``--extra-model-paths-config`` file with a ``custom_nodes`` entry, the documented way to
+    add a custom-nodes folder, so ``ComfyUI/custom_nodes`` stays untouched for every other server."""
+    config_dir.mkdir(parents=True, exist_ok=True)
+    config = config_dir / "extra_custom_nodes.yaml"
+    config.write_text(f"pipetrainer_extra_nodes:\n  custom_nodes: {json.dumps(str(folder))}\n", encoding="utf-8")
+    return ("--extra-model-paths-config", str(config))
+
+
 class ComfyServer:
     """A headless ComfyUI server process on a free loopback port."""
 

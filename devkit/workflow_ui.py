@@ -15,6 +15,7 @@ run. A description note (a frontend-only ``MarkdownNote``, never queued) opens t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -245,3 +246,108 @@ def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 6
             name = name[:-2] + "…" if len(name) > 2 else ""
         draw.text((x + 5, y + 4), name, fill=(240, 240, 245), font=font)
     return img
+
+
+# ---- checking an API prompt against a server's /object_info -------------------------------------------
+# Combo inputs that name the user's own files: their values are the file names of the model's usual release
+# (what ComfyUI's own templates use), never in a test host's lists.
+FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3", "vae_name",
+               "lora_name", "image", "video", "audio", "model_name", "control_net_name", "style_model_name"}
+FILE_SUFFIXES = (".safetensors", ".sft", ".gguf", ".pt", ".pth", ".ckpt", ".bin", ".png", ".jpg", ".jpeg",
+                 ".webp", ".mp4", ".webm")
+_REQUIRES = re.compile(r"Needs ComfyUI (\d+(?:\.\d+)*) or newer", re.IGNORECASE)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.3.75"`` -> ``(0, 3, 75)`` (a suffix such as ``-rc1`` is ignored)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("-")[0])[:3])
+
+
+def required_comfyui(description: str) -> tuple[int, ...] | None:
+    """The oldest ComfyUI a workflow's nodes exist in, from its description's "Needs ComfyUI X.Y.Z or newer."
+    line (None: what this pack supports anyway). The line is for users and tests alike."""
+    match = _REQUIRES.search(description)
+    return version_tuple(match.group(1)) if match else None
+
+
+def widget_names(info: dict) -> list[str]:
+    """The node's widget inputs in the order the frontend stores their values in ``widgets_values``."""
+    return [name for name, kind, options in _ordered_inputs(info) if _is_widget(kind, options)]
+
+
+def _combo_options(kind: Any, options: dict) -> list | None:
+    if isinstance(kind, list):
+        return kind
+    if kind == "COMBO":
+        return list(options.get("options", []))
+    return None
+
+
+def _value_problem(name: str, kind: Any, options: dict, value: Any) -> str | None:
+    choices = _combo_options(kind, options)
+    if choices is not None:
+        if name in FILE_INPUTS:
+            ok = isinstance(value, str) and value.lower().endswith(FILE_SUFFIXES)
+            return None if ok else f"{value!r} is not a file name"
+        return None if value in choices else f"{value!r} is not one of {choices}"
+    checks = {"INT": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "FLOAT": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "BOOLEAN": lambda v: isinstance(v, bool), "STRING": lambda v: isinstance(v, str)}
+    if kind not in checks:
+        return f"{value!r} given for a {kind} socket (needs a link)"
+    if not checks[kind](value):
+        return f"{value!r} is not a {kind}"
+    if kind in ("INT", "FLOAT"):
+        low, high = options.get("min"), options.get("max")
+        if (low is not None and value < low) or (high is not None and value > high):
+            return f"{value!r} is outside [{low}, {high}]"
+    return None
+
+
+def _accepts(socket: Any, produced: str) -> bool:
+    kinds = {"COMBO"} if isinstance(socket, list) else set(str(socket).split(","))
+    return "*" in kinds or produced == "*" or produced in kinds
+
+
+def api_problems(api: dict[str, dict], object_info: dict[str, dict]) -> list[str]:
+    """Everything a server would refuse in an API prompt, checked against its ``/object_info`` without
+    running it: unknown nodes and inputs, missing required inputs, links to missing nodes or slots or of
+    another type, widget values of the wrong type, out of range or not among a combo's choices (file-name
+    combos excepted: they hold the user's file names), and widgets given out of order (a UI file stores
+    widget values by position, so the ones given must come first)."""
+    problems = []
+    for key, node in api.items():
+        cls = node.get("class_type")
+        info = object_info.get(cls)
+        if info is None:
+            problems.append(f"node {key}: {cls} is not a node of this ComfyUI")
+            continue
+        spec = {name: (kind, options) for name, kind, options in _ordered_inputs(info)}
+        required = info["input"].get("required", {})
+        for name in required:
+            if name not in node["inputs"]:
+                problems.append(f"node {key} ({cls}): required input {name!r} is missing")
+        for name, value in node["inputs"].items():
+            where = f"node {key} ({cls}).{name}"
+            if name not in spec:
+                problems.append(f"{where}: not an input of {cls}")
+                continue
+            kind, options = spec[name]
+            if isinstance(value, list):
+                src, slot = value
+                source = api.get(str(src))
+                outputs = object_info.get(source["class_type"], {}).get("output", []) if source else []
+                if not isinstance(slot, int) or not 0 <= slot < len(outputs):
+                    problems.append(f"{where}: links to a missing node or output {value}")
+                elif not _accepts(kind, outputs[slot]):
+                    problems.append(f"{where}: a {_socket_type(kind)} input linked to a {outputs[slot]} output")
+                continue
+            problem = _value_problem(name, kind, options, value)
+            if problem:
+                problems.append(f"{where}: {problem}")
+        order = [name for name in widget_names(info) if not isinstance(node["inputs"].get(name), list)]
+        given = [name for name in order if name in node["inputs"]]
+        if given != order[:len(given)]:
+            problems.append(f"node {key} ({cls}): widgets {given} leave a gap in {order}: the UI file would "
+                            "shift the later values into the wrong widgets")
+    return problems

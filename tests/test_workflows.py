@@ -6,10 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-from pipetrainer.devkit.workflow_ui import NOTE_TYPES, ui_to_api
+from pipetrainer.devkit.workflow_ui import (
+    NOTE_TYPES,
+    api_problems,
+    required_comfyui,
+    ui_to_api,
+    version_tuple,
+)
 
 WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
 PAIRS = [(p, WORKFLOWS / p.name) for p in sorted((WORKFLOWS / "api").glob("*.json"))]
+API_FILES = [p for p, _ in PAIRS]
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +24,31 @@ def object_info(server):
     return server.get("/object_info")
 
 
+@pytest.fixture(scope="module")
+def host_version(server) -> tuple[int, ...]:
+    return version_tuple(server.get("/system_stats")["system"]["comfyui_version"])
+
+
+def _needs_newer_host(api_file: Path, host_version: tuple[int, ...]) -> bool:
+    """A workflow whose description says "Needs ComfyUI X.Y.Z or newer" is checked only on such hosts."""
+    description = api_file.with_suffix(".md")
+    needed = required_comfyui(description.read_text(encoding="utf-8")) if description.exists() else None
+    return needed is not None and host_version < needed
+
+
 @pytest.mark.parametrize("api_file,ui_file", PAIRS, ids=[p.stem for p, _ in PAIRS])
-def test_ui_workflow_queues_exactly_its_api_twin(api_file, ui_file, object_info):
+def test_ui_workflow_queues_exactly_its_api_twin(api_file, ui_file, object_info, host_version):
+    if _needs_newer_host(api_file, host_version):
+        pytest.skip(f"{api_file.stem} needs a newer ComfyUI (its description says which)")
     api = json.loads(api_file.read_text())
     ui = json.loads(ui_file.read_text())
     assert ui_to_api(ui, object_info) == api, "regenerate with: .venv/bin/python scripts/pt.py ui-workflow"
 
 
 @pytest.mark.parametrize("api_file,ui_file", PAIRS, ids=[p.stem for p, _ in PAIRS])
-def test_ui_workflow_is_a_consistent_graph(api_file, ui_file, object_info):
+def test_ui_workflow_is_a_consistent_graph(api_file, ui_file, object_info, host_version):
+    if _needs_newer_host(api_file, host_version):
+        pytest.skip(f"{api_file.stem} needs a newer ComfyUI (its description says which)")
     ui = json.loads(ui_file.read_text())
     nodes = {n["id"]: n for n in ui["nodes"]}
     for node in nodes.values():
@@ -71,3 +94,158 @@ def test_every_family_option_is_an_input_of_the_train_node(object_info):
             spec = inputs[field.name]
             default = spec[1].get("default") if len(spec) > 1 else None
             assert default == field.default, (family, field.name, default, field.default)
+
+
+# ---- every example's graph against this host's nodes ---------------------------------------------------
+@pytest.mark.parametrize("api_file", API_FILES, ids=[p.stem for p in API_FILES])
+def test_every_node_and_input_of_an_example_is_valid_on_this_host(api_file, object_info, host_version):
+    """Node classes exist; every input is an input of its node, linked to an output of its type or set to a
+    valid widget value (combo values among the choices, except the user's model and image file names); the
+    widgets given leave no gap (the UI file stores them by position). A workflow that needs a newer
+    ComfyUI says so in its description ("Needs ComfyUI X.Y.Z or newer."): on an older host something of
+    it must really be missing, so the stated minimum never goes stale."""
+    api = json.loads(api_file.read_text())
+    problems = api_problems(api, object_info)
+    if _needs_newer_host(api_file, host_version):
+        assert problems, f"{api_file.stem} states a newer minimum ComfyUI but all its nodes and inputs exist here"
+    else:
+        assert problems == []
+
+
+def test_the_graph_check_can_fail(object_info):
+    """api_problems finds each kind of mistake (unknown node or input, missing input, wrong link type,
+    bad widget values, widget gaps) and lets the user's file names through."""
+    api = json.loads((WORKFLOWS / "api" / "pipetrainer_tiny_mmdit.json").read_text())
+    assert api_problems(api, object_info) == []
+    broken = json.loads(json.dumps(api))
+    broken["1"]["inputs"]["unet_name"] = "someone_elses_model.safetensors"  # a user file name: fine
+    broken["1"]["inputs"]["weight_dtype"] = "fp7"  # not a choice
+    broken["12"]["inputs"]["steps"] = 0  # below min
+    broken["12"]["inputs"]["cfg"] = "1.0"  # not a FLOAT
+    broken["12"]["inputs"]["positive"] = ["11", 0]  # a LATENT into a CONDITIONING input
+    broken["12"]["inputs"]["sharpness"] = 1.0  # no such input
+    del broken["12"]["inputs"]["denoise"]  # required
+    broken["8"]["inputs"]["guidance"] = 3.5  # leaves data_parallel .. blocks_to_swap out: a gap
+    broken["99"] = {"class_type": "NoSuchNode", "inputs": {}}
+    text = "\n".join(api_problems(broken, object_info))
+    for expected in ("'fp7' is not one of", "node 12 (KSampler).steps: 0 is outside", "'1.0' is not a FLOAT",
+                     "CONDITIONING input linked to a LATENT output", "sharpness: not an input",
+                     "'denoise' is missing", "leave a gap", "NoSuchNode is not a node"):
+        assert expected in text, (expected, text)
+    assert "unet_name" not in text
+
+
+def test_a_stated_minimum_comfyui_is_read_from_the_description():
+    assert required_comfyui("# T\nNeeds ComfyUI 0.3.76 or newer.\n") == (0, 3, 76)
+    assert required_comfyui("# T\nNeeds comfyui 1.2 or newer") == (1, 2)
+    assert required_comfyui("# T\nno line") is None
+    assert version_tuple("0.28.0") > version_tuple("0.3.75") > version_tuple("0.3.9")
+
+
+# ---- what each example trains and how it samples ---------------------------------------------------------
+# The family each example's model belongs to, the Train node's family options it must set (the others stay
+# at their defaults), and what its data needs: reference images (control_folder), start-image latents
+# (Cache start_image first_frame) and CLIP-vision features (Cache clip_vision) for image-to-video models.
+EXAMPLES = {
+    "pipetrainer_tiny_mmdit": ("SD3", {}, set()),
+    "pipetrainer_flux_dev": ("Flux", {"guidance": 1.0}, set()),
+    "pipetrainer_flux_kontext": ("Flux", {"guidance": 1.0}, {"control_folder"}),
+    "pipetrainer_flux2_dev": ("Flux2", {"guidance": 1.0}, set()),
+    "pipetrainer_chroma": ("Chroma", {}, set()),
+    "pipetrainer_qwen_image": ("QwenImage", {}, set()),
+    "pipetrainer_qwen_image_edit": ("QwenImage", {}, {"control_folder"}),
+    "pipetrainer_z_image_turbo": ("Lumina2", {}, set()),
+    "pipetrainer_sdxl": ("SDXL", {}, set()),
+    "pipetrainer_wan_t2v": ("Wan", {}, set()),
+    "pipetrainer_wan21_i2v": ("Wan", {}, {"start_image", "clip_vision"}),
+    "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),
+    "pipetrainer_wan22_ti2v": ("Wan", {"first_frame_clean": True}, set()),
+    "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
+    "pipetrainer_ltxv": ("LTXV", {}, set()),
+}
+LOADERS = {"PipeTrainerLoadDiffusionModel", "PipeTrainerLoadCheckpoint", "PipeTrainerLoadGGUF"}
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider"}
+
+
+def _only(api: dict, class_type: str) -> tuple[str, dict]:
+    found = [(k, n) for k, n in api.items() if n["class_type"] == class_type]
+    assert len(found) == 1, (class_type, found)
+    return found[0]
+
+
+def _model_chain(api: dict, key: str) -> list[str]:
+    """The node keys a MODEL passes through up to ``key``'s model input, nearest first."""
+    chain = []
+    while "model" in api[key]["inputs"] and isinstance(api[key]["inputs"]["model"], list):
+        key = api[key]["inputs"]["model"][0]
+        chain.append(key)
+    return chain
+
+
+def test_every_example_has_a_row():
+    missing = {p.stem for p in API_FILES} - set(EXAMPLES)
+    assert not missing, f"add {sorted(missing)} to EXAMPLES"
+
+
+@pytest.mark.parametrize("api_file", API_FILES, ids=[p.stem for p in API_FILES])
+def test_each_example_sets_its_family_options_and_data(api_file, object_info):
+    import dataclasses
+
+    from pipetrainer.training.pipelines.base import adapter_for, known_families
+
+    family, options, needs = EXAMPLES[api_file.stem]
+    api = json.loads(api_file.read_text())
+    _, train = _only(api, "PipeTrainerTrain")
+    spec = object_info["PipeTrainerTrain"]["input"]
+    spec = {**spec.get("required", {}), **spec.get("optional", {})}
+    ours = {f.name: f.default for f in dataclasses.fields(adapter_for(family).options_type)}
+    assert set(options) <= set(ours), (family, options, ours)
+    for name, default in ours.items():
+        assert train["inputs"].get(name, default) == options.get(name, default), (family, name)
+    others = {f.name for fam in known_families() for f in dataclasses.fields(adapter_for(fam).options_type)}
+    for name in sorted(others - set(ours)):  # another family's option: left at its default, never misleading
+        if name in train["inputs"]:
+            assert train["inputs"][name] == spec[name][1].get("default"), (family, name, train["inputs"][name])
+    _, dataset = _only(api, "PipeTrainerDataset")
+    _, cache = _only(api, "PipeTrainerCache")
+    assert bool(dataset["inputs"].get("control_folder")) == ("control_folder" in needs)
+    assert (cache["inputs"].get("start_image", "none") == "first_frame") == ("start_image" in needs)
+    assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
+
+
+@pytest.mark.parametrize("api_file", API_FILES, ids=[p.stem for p in API_FILES])
+def test_each_example_samples_with_the_trained_model(api_file):
+    """A sampler downstream of Train LoRA's MODEL (the LoRA applied), and between the loader and Train
+    only nodes training replays (checked below with the stock nodes)."""
+    api = json.loads(api_file.read_text())
+    train_key, _ = _only(api, "PipeTrainerTrain")
+    samplers = [k for k, n in api.items() if n["class_type"] in SAMPLERS]
+    assert any(train_key in _model_chain(api, k) for k in samplers), "no sampler uses the trained MODEL"
+    before = _model_chain(api, train_key)
+    assert api[before[-1]]["class_type"] in LOADERS
+    assert {api[k]["class_type"] for k in before[:-1]} <= {"ModelSamplingSD3", "ModelSamplingAuraFlow",
+                                                         "ModelSamplingFlux"}
+
+
+def test_the_model_sampling_nodes_before_train_are_replayed(fixture_paths):
+    """Each ModelSampling* node (with its settings) that an example puts before Train LoRA, applied by
+    ComfyUI's own node to a real model, is recorded as a replayable sampling with no other patch."""
+    import comfy_extras.nodes_model_advanced as advanced
+    from pipetrainer.nodes.graph_patches import patch_problems, sampling_override
+    from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
+
+    model = PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, "default").result[0]
+    used = set()
+    for api_file in API_FILES:
+        api = json.loads(api_file.read_text())
+        train_key, _ = _only(api, "PipeTrainerTrain")
+        for key in _model_chain(api, train_key)[:-1]:
+            node = api[key]
+            used.add((node["class_type"], json.dumps({k: v for k, v in node["inputs"].items() if k != "model"},
+                                                     sort_keys=True)))
+    assert used, "no example puts a ModelSampling* node before Train LoRA"
+    for class_type, widgets in sorted(used):
+        node_class = getattr(advanced, class_type)
+        patched = getattr(node_class(), node_class.FUNCTION)(model=model, **json.loads(widgets))[0]
+        override, problems = sampling_override(patched)
+        assert override is not None and problems == [] and patch_problems(patched) == [], (class_type, widgets)
