@@ -69,10 +69,15 @@ def launch(spec: RunSpec, pool: WarmPool | None = None) -> RunHandle:
     return RunHandle(spec, proc, EventReader(run_dir))
 
 
-def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Callable[[], bool]) -> int:
+def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Callable[[], bool],
+           on_idle: Callable[[], None] | None = None) -> int:
     """Forward events until the supervisor exits; on interrupt, stop the run and return its code.
 
-    Exceptions raised by ``on_event`` (ComfyUI's progress hook raises on Cancel) also stop the run.
+    ``on_idle`` runs between polls while the run goes on (the Train node renders previews there: the
+    training processes never wait for it).
+
+    Exceptions raised by ``on_event`` or ``on_idle`` (ComfyUI's progress hook raises on Cancel) also stop
+    the run.
     After a stop, the events written while stopping (the checkpoint's ``saved``, ``stopped``) are in
     ``handle.events`` without being forwarded, so the caller can say where the run stopped.
     """
@@ -89,6 +94,8 @@ def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Cal
                 code = stop(handle)
                 handle.events.extend(handle.reader.poll())
                 return code
+            if on_idle is not None:
+                on_idle()
             time.sleep(POLL_S)
     except BaseException:
         stop(handle)

@@ -60,6 +60,15 @@ class TensorBoardLog:
                 self._writer.add_scalar(tag, float(value), step)
         self._writer.flush()
 
+    def images(self, step: int, images: Mapping[str, Any]) -> None:
+        """Write each image (an [H, W, 3] uint8 array) under its tag at ``step``, then flush: the Train
+        node's previews (nodes/previews.py) go beside the rank's scalars, from the ComfyUI process."""
+        if self._writer is None:
+            return
+        for tag, image in images.items():
+            self._writer.add_image(tag, image, step, dataformats="HWC")
+        self._writer.flush()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
