@@ -10,8 +10,10 @@ from .configs import PipeTrainerLoRA, PipeTrainerOptimizer
 from .dataset import PipeTrainerDataset
 from .gguf_source import PipeTrainerLoadGGUF
 from .model_source import PipeTrainerLoadDiffusionModel
+from .preview_settings import PipeTrainerPreviewSettings
 from .timesteps import PipeTrainerTimesteps
 from .train import PipeTrainerTrain
+from .validation import PipeTrainerValidation
 
 NODES: list[type[io.ComfyNode]] = [
     PipeTrainerLoadDiffusionModel,
@@ -22,6 +24,8 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerLoRA,
     PipeTrainerOptimizer,
     PipeTrainerTimesteps,
+    PipeTrainerValidation,
+    PipeTrainerPreviewSettings,
     PipeTrainerTrain,
 ]
 

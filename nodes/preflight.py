@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ..training.offload.stages import blocks_to_swap_problem, uniform_boundaries
 from ..training.pipelines import checks as family_checks
 from ..training.pipelines.checks import CachedShapes, ModelInputs, cache_vs_model_problems
+from ..training.quant.stacking import recipe_base_kind, stacked_lora_problem
 from ..training.spec import CacheItem, LoraSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -254,6 +255,13 @@ def model_file_problems(path: str, fingerprint: str, loras: Sequence[tuple[str, 
     return out
 
 
+def stacked_lora_problems(loader: str, path: str, stacked: int) -> list[str]:
+    """LoRAs stacked on a scaled-fp8, per-layer-quantized or GGUF base cannot be merged before training
+    (training/quant/stacking.py): say so now, not from inside the training process."""
+    problem = stacked_lora_problem(recipe_base_kind(loader, path), stacked) if stacked else None
+    return [problem] if problem else []
+
+
 # ---- block swap --------------------------------------------------------------------------------
 def blocks_to_swap_problems(blocks_to_swap: int, layer_is_block: Sequence[bool], stages: int, method: str) -> list[str]:
     """``blocks_to_swap`` (per stage) must not exceed the swappable blocks of the smallest stage.
@@ -381,8 +389,9 @@ def gpu_problems(train: TrainSpec, gpus: str) -> list[str]:
 
 # ---- all of it --------------------------------------------------------------------------------
 def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, train: TrainSpec, runs_root: str,
-                   gpus: str = "") -> list[str]:
-    """Every problem the Train node can see before launching, in a stable order."""
+                   gpus: str = "", family_options: Mapping[str, object] | None = None) -> list[str]:
+    """Every problem the Train node can see before launching, in a stable order. ``family_options``: the
+    raw family options of the Train node (their own rules against this model, e.g. a Wan expert's range)."""
     items = tuple(getattr(cache, "items", ()))
     report = getattr(cache, "report", None)
     problems = deepspeed_problems(importlib.util.find_spec("deepspeed") is not None, sys.platform)
@@ -394,18 +403,32 @@ def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, trai
     shapes = read_cached_shapes(items)
     problems += unreadable_cache_problems(shapes.unreadable)
     from .model_source import recipe_of  # ComfyUI's loaders: imported only where a MODEL exists
+    from .stacked_loras import stacked_levels
 
     recipe = recipe_of(model)
     if recipe is not None:  # without one, the Train node already says which loader to use
         problems += model_file_problems(recipe.path, recipe.fingerprint, recipe.loras)
+        problems += stacked_lora_problems(recipe.loader, recipe.path, len(recipe.loras) + stacked_levels(model))
     inputs = model_inputs(model)
     unsupported = model_support_problems(model)
     problems += unsupported
     if inputs is not None and not unsupported:  # the family's rules (training/pipelines/checks.py)
         problems += cache_vs_model_problems(shapes, inputs)
+        problems += family_checks.model_timestep_problems(model.model, train.timesteps)
+        problems += family_checks.family_rule_problems(model.model, family_options or {}, train.timesteps, shapes)
         problems += blocks_to_swap_problems(train.blocks_to_swap, model_block_layout(model), train.pipeline_stages,
                                             train.partition_method)
         needed = run_disk_bytes(lora_parameter_count(model, lora), train)
         problems += disk_problems(runs_root, needed, free_bytes(runs_root), "checkpoints and LoRA files",
                                   ", or save less often (save_every)")
     return problems
+
+
+def validation_cache_problems(model: ModelPatcher, items: Sequence[CacheItem]) -> list[str]:
+    """A validation cache's tensors against the model, by the same rules as the training cache."""
+    shapes = read_cached_shapes(items)
+    problems = unreadable_cache_problems(shapes.unreadable)
+    inputs = model_inputs(model)
+    if inputs is not None and not model_support_problems(model):
+        problems += cache_vs_model_problems(shapes, inputs)
+    return [f"Validation cache: {p}" for p in problems]

@@ -23,6 +23,12 @@ class RunView:
     resumed_from: int = 0
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    validation_steps: list[int] = field(default_factory=list)
+    validation_losses: list[float] = field(default_factory=list)
+
+    @property
+    def validation_points(self) -> list[tuple[int, float]]:
+        return list(zip(self.validation_steps, self.validation_losses, strict=True))
 
     def on_event(self, event: dict) -> str | None:
         """The text to show for ``event`` (None: nothing new to say)."""
@@ -35,6 +41,10 @@ class RunView:
             self.steps.append(int(event["step"]))
             self.losses.append(float(event["loss"]))
             return self.step_text(event)
+        if kind == "validation":
+            self.validation_steps.append(int(event["step"]))
+            self.validation_losses.append(float(event["loss"]))
+            return f"step {event['step']}/{self.total}  validation loss {event['loss']:.4f}"
         return None
 
     def step_text(self, event: dict) -> str:
@@ -42,6 +52,8 @@ class RunView:
         eta_txt = f"{eta:.0f} s" if isinstance(eta, (int, float)) else "?"
         text = (f"step {event['step']}/{event['total']}  loss {event['loss']:.4f}  "
                 f"{event.get('it_s', 0):.2f} it/s  ETA {eta_txt}")
+        if self.validation_losses:
+            text += f"  val {self.validation_losses[-1]:.4f} (step {self.validation_steps[-1]})"
         if self.resumed_from:
             text += f"  (resumed from step {self.resumed_from})"
         return text
@@ -51,6 +63,8 @@ def done_text(lora_output: str, run_dir: str, view: RunView) -> str:
     """The end of a finished run: where the LoRA and the run folder are."""
     last = (f"step {view.steps[-1]}/{view.total}, loss {view.losses[-1]:.4f}" if view.steps
             else f"step {view.total}/{view.total}")
+    if view.validation_losses:
+        last += f", validation loss {view.validation_losses[-1]:.4f}"
     return (f"done: {last}\n"
             f"LoRA: {os.path.basename(lora_output)} (in {os.path.dirname(lora_output)})\n"
             f"run folder: {run_dir}")

@@ -14,16 +14,20 @@ import folder_paths
 from comfy_api.latest import io, ui
 from safetensors.torch import load_file
 
+from ..training.adapters import adapter_target_problems
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.pipelines.options import options_from_inputs, parse_family_options
-from ..training.spec import PARTITION_METHODS, TRAIN_DTYPES, RunSpec, SpecError, TimestepSpec, TrainSpec
+from ..training.spec import PARTITION_METHODS, TRAIN_DTYPES, RunSpec, SpecError, TimestepSpec, TrainSpec, ValidationSpec
 from . import checkpoints, graph_patches, paths, preflight, run_messages, run_process
 from .launch import launch_settings, resolve_gpus
 from .loss_plot import as_image_tensor, loss_curve
 from .model_source import no_recipe_message, recipe_of
+from .preview_settings import PreviewConfig, preview_save_every
+from .preview_sheet import progress_sheet
+from .previews import PreviewRunner
 from .progress_text import show_text
 from .stacked_loras import write_stacked_loras
-from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig
+from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig, ValidationConfig
 from .warm_pool import WarmPool
 
 PREVIEW_EVERY_S = 2.0
@@ -88,6 +92,9 @@ class PipeTrainerTrain(io.ComfyNode):
                                      tooltip="From 'Timestep Sampling (PipeTrainer)'. Unconnected: uniform through the "
                                              "model's own sampling (its shift, or a ModelSampling* node's before this "
                                              "one): the noise levels its sampler visits."),
+                ValidationConfig.Input("validation", optional=True,
+                                       tooltip="From 'Validation Loss (PipeTrainer)': held-out images evaluated "
+                                               "every N steps at fixed noise, plotted with the training loss."),
                 io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
                                tooltip="Guidance-distilled models (FLUX.1-dev): the guidance the model sees while "
                                        "training. 1.0 is what the other trainers use for dev LoRAs: the LoRA learns "
@@ -104,9 +111,9 @@ class PipeTrainerTrain(io.ComfyNode):
                                        "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
                                        "split is refused with the reason."),
                 io.Boolean.Input("first_frame_clean", default=False, optional=True,
-                                 tooltip="Wan 2.2 TI2V-5B: train image-to-video as ComfyUI samples it (the first "
-                                         "latent frame stays clean and is left out of the loss). Off: text-to-video. "
-                                         "Other families do not use it."),
+                                 tooltip="Wan 2.2 TI2V-5B and LTX-Video: train image-to-video as ComfyUI samples it "
+                                         "(the first latent frame stays clean and is left out of the loss). Off: "
+                                         "text-to-video. Other families do not use it."),
                 io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
                                tooltip="Wan 2.2 A14B: which expert file this model is. Training then draws only that "
                                        "expert's noise levels (high_noise: sigma at or above the boundary). Recorded "
@@ -114,6 +121,14 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Float.Input("expert_boundary", default=0.0, min=0.0, max=0.999, step=0.005, optional=True,
                                tooltip="Wan 2.2 A14B expert boundary sigma; 0 = the Wan 2.2 default (0.875 "
                                        "text-to-video, 0.9 image-to-video)."),
+                io.Float.Input("frame_rate", default=25.0, min=0.01, max=1000.0, step=0.001, optional=True,
+                               tooltip="LTX-Video: the clips' frames per second, the frame_rate its "
+                                       "LTXVConditioning node gets at sampling (it sets the model's time "
+                                       "positions). Other families do not use it."),
+                PreviewConfig.Input("previews", optional=True,
+                                    tooltip="From 'Preview Settings (PipeTrainer)': every N steps, that step's LoRA "
+                                            "rendered by ComfyUI's own LoRA loader and sampler, shown here as it "
+                                            "arrives and saved in the run folder (previews/)."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA applied."),
@@ -173,11 +188,22 @@ class PipeTrainerTrain(io.ComfyNode):
             problems.append(f"pipeline_stages x data_parallel = {ranks} ranks is more than this machine can run on "
                             "CPU. Lower them, or export the run (run dir 'cluster/') to a bigger machine.")
         gpus_text = settings.get("gpus") or ""  # GPU count and indices are checked in preflight
-        problems += preflight.train_problems(model, cache, lora, train, paths.runs_root(), gpus=gpus_text)
+        problems += preflight.train_problems(model, cache, lora, train, paths.runs_root(), gpus=gpus_text,
+                                             family_options=family_options)
+        problems += adapter_target_problems(model.model, lora)  # lokr/loha on quantized layers
+        items, validation = cache.items, ValidationSpec()
+        if settings.get("validation") is not None:
+            try:
+                items, validation = settings["validation"].split(cache.items)
+            except SpecError as exc:
+                problems += exc.problems
+            else:
+                if settings["validation"].cache is not None:
+                    problems += preflight.validation_cache_problems(model, validation.items)
         if problems:
             raise SpecError(problems)
         spec = RunSpec(
-            model=recipe, items=cache.items, lora=lora, optimizer=optimizer, train=train,
+            model=recipe, items=items, lora=lora, optimizer=optimizer, train=train, validation=validation,
             run_dir="/pending", lora_output=paths.lora_output_path(lora_name),
             step_loras_dir=paths.step_loras_dir(lora_name),
             comfyui_path=os.path.dirname(os.path.abspath(folder_paths.__file__)), device=device,
@@ -193,6 +219,9 @@ class PipeTrainerTrain(io.ComfyNode):
         show_text(run_messages.CHECKING, node_id)  # replaces the previous run's text at once
         resume = settings.pop("resume")
         resume_choice = settings.pop("resume_from", None) or checkpoints.NEWEST
+        previews = settings.pop("previews", None)
+        if previews is not None:  # each preview step needs its LoRA file
+            settings["save_every"] = preview_save_every(settings["save_every"], previews.every_n_steps)
         try:
             spec = cls.build_spec(model, cache, lora, optimizer, lora_name, **settings)
         except SpecError as exc:
@@ -210,31 +239,42 @@ class PipeTrainerTrain(io.ComfyNode):
             raise
         if warning:
             show_text(f"warning: {warning}", node_id)
+        view = run_messages.RunView(spec.train.steps)
+        bar = comfy.utils.ProgressBar(spec.train.steps)
+
+        def sheet() -> tuple:
+            curve = loss_curve(view.losses, view.steps, validation=view.validation_points)
+            return "PNG", progress_sheet(curve, runner.latest, runner.latest_step), 640
+
+        runner = PreviewRunner(previews, model, run_dir, show=lambda text: show_text(text, node_id),
+                               on_shown=lambda: bar.update_absolute(view.steps[-1] if view.steps else 0,
+                                                                    spec.train.steps, sheet()))
+        runner.prepare()  # encodes the prompts while ComfyUI's models are still loaded
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
 
-        view = run_messages.RunView(spec.train.steps)
-        bar = comfy.utils.ProgressBar(spec.train.steps)
         last_preview = [0.0]
 
         def on_event(event: dict) -> None:
             text = view.on_event(event)
+            runner.on_event(event)
             if event.get("type") == "phase" and event.get("phase") == "first_step":
                 bar.update_absolute(view.resumed_from, spec.train.steps)
             elif event.get("type") == "step":
                 preview = None
                 now = time.monotonic()
                 if now - last_preview[0] >= PREVIEW_EVERY_S or event["step"] == event["total"]:
-                    preview = ("PNG", loss_curve(view.losses, view.steps), 640)
+                    preview = sheet()
                     last_preview[0] = now
                 bar.update_absolute(event["step"], event["total"], preview)
             if text:
-                show_text(text, node_id)
+                show_text(f"{text}\n{runner.status}" if runner.status else text, node_id)
 
         show_text(run_messages.LAUNCHING, node_id)
         handle = run_process.launch(spec, WARM_POOL)
         try:
-            code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted)
+            code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
+                                      on_idle=runner.render_pending)
         except comfy.model_management.InterruptProcessingException:
             show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
             raise
@@ -249,12 +289,18 @@ class PipeTrainerTrain(io.ComfyNode):
             show_text(f"failed: see the error (run folder {spec.run_dir})", node_id)
             raise run_process.TrainingFailed(run_process.failure_message(handle))
 
+        runner.finish()  # the final LoRA's previews; a failed one is reported, never raised
         lora_sd = load_file(spec.lora_output)
         trained, _ = comfy.sd.load_lora_for_models(model, None, lora_sd, 1.0, 0)
-        curve = as_image_tensor(loss_curve(view.losses, view.steps))
+        curve = as_image_tensor(loss_curve(view.losses, view.steps, validation=view.validation_points))
         name = os.path.basename(spec.lora_output)
         done = run_messages.done_text(spec.lora_output, spec.run_dir, view)
         if warning:
             done += f"\nwarning: {warning}"
+        if runner.status:
+            done += f"\n{runner.status}"
         show_text(done, node_id)
-        return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve, ui=ui.PreviewText(done))
+        shown = ui.PreviewText(done).as_dict()
+        if runner.ui_images():
+            shown["images"] = runner.ui_images()
+        return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve, ui=shown)

@@ -170,23 +170,6 @@ def test_the_exported_deepspeed_launcher_script_trains_with_a_hostfile(two_stage
 
 
 @pytest.mark.slow
-def test_two_pipelines_at_once_do_not_collide(two_stage, tmp_path):
-    spec, events = two_stage
-    specs = [make_spec(Path(spec.model.path), spec.items, tmp_path / f"run{i}", Path(spec.comfyui_path),
-                       pipeline_stages=2, **{**SETTINGS, "steps": 3}) for i in range(2)]
-    procs = []
-    for s in specs:
-        path = Path(s.run_dir) / "spec.json"
-        path.write_text(s.to_json())
-        procs.append(subprocess.Popen([sys.executable, str(ENTRY), "supervise", str(path)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    assert [p.wait(600) for p in procs] == [EXIT_OK, EXIT_OK]
-    for s in specs:
-        assert losses(read_all(s.run_dir)) == losses(events)[:3]
-        assert not _leftover_processes(Path(s.run_dir))
-
-
-@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_run_fast_with_its_error(two_stage, tmp_path):
     """Stage 1's checkpoint file is missing: rank 1 raises while loading; rank 0 must not hang."""
     spec, events = two_stage

@@ -206,11 +206,21 @@ class MicroBatches:
         ``(target, loss weight)`` when the family masks the loss."""
         batch = [self.examples[i] for i in self._indices(micro)]
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + micro * self.replicas + self.replica) % (2**63))
-        dm = self.model.diffusion_model
-        x0 = self._processed_latents([b.latent for b in batch])
+        x0 = self.processed_latents([b.latent for b in batch])
         noise = torch.randn(x0.shape, generator=g)
-        tokens = self.adapter.image_tokens(dm, tuple(x0.shape[1:]))
-        sigma = sample_sigmas(len(batch), self.timesteps, g, self.model.model_sampling, tokens)
+        sigma = self.sigmas(len(batch), g, tuple(x0.shape[1:]))
+        return self.assemble(batch, x0, noise, sigma)
+
+    def sigmas(self, n: int, generator: torch.Generator, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """``n`` sigmas of the run's timestep sampling for latents of ``latent_shape`` (``[C, ...]``)."""
+        tokens = self.adapter.image_tokens(self.model.diffusion_model, latent_shape)
+        return sample_sigmas(n, self.timesteps, generator, self.model.model_sampling, tokens)
+
+    def assemble(self, batch: Sequence[Example], x0: torch.Tensor, noise: torch.Tensor,
+                 sigma: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """``(first-stage inputs, target)`` of ``batch`` (its processed latents ``x0``) noised with
+        ``noise`` at ``sigma``: the one place micro-batches become model inputs, for training and
+        validation alike."""
         noisy, timestep, target = noisy_input_and_target(self.model.model_sampling, x0, noise, sigma)
         mask = self.adapter.loss_mask(tuple(x0.shape[1:]), self.family_options)
         labels = target.to(self.device) if mask is None else (target.to(self.device), mask[None].to(self.device))
@@ -226,7 +236,7 @@ class MicroBatches:
         ))
         return tuple(t.to(self.device) for t in inputs), labels
 
-    def _processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
+    def processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
         """Raw cached VAE latents of one shape, stacked, as the model takes them (``process_latent_in``);
         on a video model an image latent ``[C, H, W]`` trains as a 1-frame video."""
         values = [lat.float() for lat in latents]
@@ -244,7 +254,7 @@ class MicroBatches:
                 continue  # optional, or missing: preflight reports required extras missing from a cache
             values = [b.extras[name] for b in batch]
             if spec.is_latent:
-                stacked = self._processed_latents(values)
+                stacked = self.processed_latents(values)
             else:
                 stacked = stack_text(values, text_length) if spec.follows_text else torch.stack(values)
             out[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 
 from ..patches.deepspeed_pipe_backward import use_single_backward
 from ..patches.deepspeed_stage_engine import build_stage_engine
+from .adapters import adapter_kind
 from .cache.reader import read_totals
 from .clipping import GlobalNormClipping
 from .collectives import any_rank_requests_stop, gather_objects_to_rank0, wait_for_all_ranks
@@ -50,6 +51,7 @@ from .spec import RunSpec, SpecError
 from .stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
 from .tensorboard_log import TensorBoardLog
 from .timesteps import family_timesteps
+from .validation import ValidationBatches, evaluation_due
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -190,6 +192,7 @@ class Trainer:
             replica=self.engine.grid.data_parallel_id, replicas=self.data_parallel,
             family_options=self.family_options,
         )
+        self.validation = self._validation_batches(model)
         seed_rank_rngs(spec.train.seed, ctx.rank)  # LoRA dropout; a resumed run restores the saved states
         if spec.resume_from:
             self._load_checkpoint(spec.resume_from)
@@ -226,6 +229,27 @@ class Trainer:
         )
         return examples
 
+    def _validation_batches(self, model) -> ValidationBatches | None:
+        """The held-out micro-batches (examples read on the first and last stage only, like training's)."""
+        val = self.spec.validation
+        if not val.enabled:
+            return None
+        first, last = self.stage_id == 0, self.stage_id == self.spec.train.pipeline_stages - 1
+        examples = []
+        if first or last:
+            examples = load_examples(val.items, text=first, text_dtype=model.manual_cast_dtype or model.get_dtype())
+        return ValidationBatches(examples, val.sigmas, self.batches)
+
+    def _evaluate(self, board: TensorBoardLog) -> None:
+        """The validation loss of the current LoRA, the same value on every rank (DeepSpeed's forward-only
+        schedule; every replica evaluates the whole held-out set, so no reduction across replicas)."""
+        count = len(self.spec.validation.items) * self.spec.validation.sigmas
+        loss = float(self.engine.eval_batch(iter(self.validation), num_micro_batches=count))
+        check_loss(loss, self.step, self.spec.optimizer.lr)
+        if self.ctx.rank == 0:
+            self.ctx.events.emit("validation", step=self.step, loss=loss, examples=count)
+            board.scalars(self.step, {"loss/validation": loss})
+
     @property
     def data_parallel(self) -> int:
         return self.ctx.world_size // self.spec.train.pipeline_stages
@@ -254,6 +278,8 @@ class Trainer:
                             resumed_from=first_step,
                             text=f"{resumed}step {first_step}/{spec.train.steps}: first step (warming up)")
         board = TensorBoardLog.open(self.run_dir, self._note) if ctx.rank == 0 else TensorBoardLog()
+        if self.validation is not None and first_step == 0:
+            self._evaluate(board)  # the base model's loss: where the curve starts
         while self.step < spec.train.steps:
             t0 = time.monotonic()
             loss = float(self.engine.train_batch(data_iter=data))
@@ -273,6 +299,8 @@ class Trainer:
                 )
                 board.scalars(self.step, {"loss/train": loss, "lr": lr, "grad_norm": grad_norm,
                                           "step_time_s": now - t0})
+            if self.validation is not None and evaluation_due(self.step, spec.validation.every, spec.train.steps):
+                self._evaluate(board)
             if self._stop_requested():
                 board.close()
                 self.save(final=False)
@@ -311,7 +339,8 @@ class Trainer:
             "alpha": str(s.lora.alpha), "targets": s.lora.targets, "steps": str(self.step),
             "base_model": Path(s.model.path).name, "base_model_fingerprint": s.model.fingerprint,
             "weight_dtype": s.model.weight_dtype, "spec_hash": s.training_hash(),
-            "format": "diffusion_model.<ComfyUI module>.lora_A/lora_B/alpha", **self.family_metadata,
+            "format": adapter_kind(s.lora.adapter).file_format, "adapter": s.lora.adapter,
+            "save_dtype": s.lora.save_dtype, **self.family_metadata,
         }
 
     def save(self, final: bool) -> None:
@@ -330,7 +359,8 @@ class Trainer:
         with self.optim.lora_weights():
             tensors = self._gathered_lora()
             if self.ctx.rank == 0:
-                check_lora_update(tensors, self.step, self.spec.optimizer.lr)
+                check_lora_update(tensors, self.step, self.spec.optimizer.lr,
+                                  adapter_kind(self.spec.lora.adapter).zero_init_suffixes)
                 path, copies = self._write_lora(tensors, final)
         if self.optim.ema is not None:
             with self.optim.ema_weights():

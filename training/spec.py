@@ -39,6 +39,8 @@ DECAYING_SCHEDULES = ("linear", "cosine", "cosine_with_restarts")
 TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal")
 TIMESTEP_SHIFTS = ("model", "none", "fixed", "resolution")
 TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
+ADAPTER_TYPES = ("lora", "lokr", "loha")  # training/adapters.py registers one entry for each
+SAVE_DTYPES = ("bf16", "fp32")  # dtype of the saved adapter file (training keeps fp32 weights)
 PARTITION_METHODS = ("parameters", "uniform")
 
 
@@ -139,10 +141,33 @@ class CacheItem:
 
 @dataclass(frozen=True)
 class LoraSpec:
+    """The adapter. ``adapter`` is its type (training/adapters.py); ``factor`` is LoKr's Kronecker
+    factor (-1: near the square root of each dimension). ``save_dtype`` is the file's dtype: the
+    LoRA Adapter node defaults to bf16 (what other trainers save); a spec without it (written before
+    the choice existed) saves fp32, as those runs did."""
+
     rank: int = 16
     alpha: float = 16.0
     dropout: float = 0.0
     targets: str = "attention_mlp"
+    adapter: str = "lora"
+    factor: int = -1
+    save_dtype: str = "fp32"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.adapter not in ADAPTER_TYPES:
+            out.append(f"Adapter type {self.adapter!r} is not one of {', '.join(ADAPTER_TYPES)}.")
+        if self.save_dtype not in SAVE_DTYPES:
+            out.append(f"save_dtype {self.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}.")
+        if self.adapter != "lokr" and self.factor != -1:
+            out.append(f"factor ({self.factor}) applies to adapter type lokr only: set it to -1.")
+        if self.factor != -1 and self.factor < 2:
+            out.append(f"LoKr factor must be -1 (automatic) or at least 2 (got {self.factor}).")
+        if self.adapter != "lora" and self.dropout > 0:
+            out.append(f"dropout ({self.dropout:g}) is LoRA's input dropout; adapter type {self.adapter} has "
+                       "none here: set dropout to 0.")
+        return out
 
 
 @dataclass(frozen=True)
@@ -240,6 +265,30 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
+class ValidationSpec:
+    """A held-out set the run evaluates every ``every`` steps (and before the first step of a fresh run)
+    at fixed sigmas and fixed noise, so its loss compares across steps and across runs; ``every`` 0: off."""
+
+    items: tuple[CacheItem, ...] = ()
+    every: int = 0
+    sigmas: int = 4  # noise levels per held-out item
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.every < 0:
+            out.append(f"Validation every_n_steps must be >= 0 (0 = off; got {self.every}).")
+        if self.enabled and not self.items:
+            out.append("Validation has no held-out items: raise the validation fraction or wire a validation cache.")
+        if self.sigmas < 1:
+            out.append(f"Validation needs at least 1 noise level per item (got {self.sigmas}).")
+        return out
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """One training run. Paths are absolute and resolved by the node layer."""
 
@@ -264,6 +313,8 @@ class RunSpec:
     # How the ComfyUI process was launched (attention, precision, memory flags) and the run's GPUs;
     # the ranks apply it before ComfyUI loads (training/launch_settings.py). Not in training_hash.
     launch: LaunchSettings = LaunchSettings()
+    # The held-out set and how often it is evaluated; not in training_hash (it never changes the weights).
+    validation: ValidationSpec = ValidationSpec()
 
     # ---- validation -------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -285,6 +336,10 @@ class RunSpec:
             out.append(f"LoRA dropout must be in [0, 1) (got {lo.dropout}).")
         if lo.targets not in TARGET_PRESETS:
             out.append(f"LoRA target preset {lo.targets!r} is not one of {', '.join(TARGET_PRESETS)}.")
+        out += lo.problems()
+        if lo.adapter != "lora" and o.lora_plus_ratio > 1:
+            out.append(f"LoRA+ (lora_plus_ratio {o.lora_plus_ratio:g}) speeds up LoRA's lora_B; adapter type "
+                       f"{lo.adapter} has no such matrix: set lora_plus_ratio to 0.")
         out += o.problems(steps=t.steps)
         if t.steps < 1:
             out.append(f"Steps must be at least 1 (got {t.steps}).")
@@ -326,6 +381,7 @@ class RunSpec:
         if self.version != SPEC_VERSION:
             out.append(f"Spec version {self.version} is not supported (expected {SPEC_VERSION}).")
         out += self.launch.problems(self.device, self.world_size)
+        out += self.validation.problems()
         return out
 
     def validated(self) -> RunSpec:
@@ -363,6 +419,9 @@ class RunSpec:
         opt = dict(d.pop("optimizer"))
         opt["betas"] = tuple(opt.get("betas", (0.9, 0.999)))
         d["launch"] = LaunchSettings.from_dict(d.get("launch", {}))
+        validation = dict(d.pop("validation", {}))
+        validation["items"] = tuple(CacheItem(**i) for i in validation.get("items", ()))
+        d["validation"] = ValidationSpec(**validation)
         return cls(
             model=ModelRecipe(**model),
             items=tuple(CacheItem(**i) for i in d.pop("items")),
@@ -392,9 +451,20 @@ class RunSpec:
             "family_options": d["family_options"],
             "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
                        i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
-            "lora": d["lora"],
+            "lora": _hashed_lora(d["lora"]),
             "optimizer": d["optimizer"],
             # blocks_to_swap moves weights, never changes them: runs with and without it continue each other.
             "train": {k: v for k, v in d["train"].items() if k not in ("steps", "save_every", "blocks_to_swap")},
         }
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# LoraSpec fields added after runs were already saved: at these values they are left out of the
+# training hash, so a checkpoint of an older run (which trained exactly that) still continues.
+_LORA_FIELDS_HASHED_WHEN_CHANGED = {"adapter": "lora", "factor": -1}
+_LORA_FIELDS_NOT_HASHED = ("save_dtype",)  # the file's dtype, not the trained weights
+
+
+def _hashed_lora(lora: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in lora.items()
+            if k not in _LORA_FIELDS_NOT_HASHED and _LORA_FIELDS_HASHED_WHEN_CHANGED.get(k, object()) != v}

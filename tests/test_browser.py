@@ -1,0 +1,162 @@
+"""The example workflows in ComfyUI's real frontend, as a user meets them (headless Chromium).
+
+Debian's Chromium driven by Playwright (PyPI, no browser download): the test installs Chromium with
+apt-get when it is missing and the test runs as root (as CI does); elsewhere it is skipped with the
+command to run. The frontend is the one the test host serves (ComfyUI's pinned frontend package).
+
+What it checks, through the page itself:
+- every PipeTrainer template opens from the template browser (EXTENSIONS > ComfyUI-PipeTrainer), with
+  no missing node type and no red node;
+- a bad ``lora_name`` typed into the Train node is refused when queued, and the error the user sees
+  names that widget;
+- the tiny example, queued with the Run button, shows progress text and the loss-curve preview on the
+  Train node, and ends with the LoRA file named on the node.
+Screenshots of each stage are kept in ``.artifacts/browser/`` (or ``$PIPETRAINER_ARTIFACTS``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+WORKFLOWS = sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
+PACK_TEMPLATES = "ComfyUI-PipeTrainer"
+TINY = "pipetrainer_tiny_mmdit"
+TEXT_WIDGET = "$$node-text-preview"  # the frontend's widget for a node's progress text
+
+
+def _chromium() -> str:
+    """Debian's Chromium, installed with apt-get when missing and allowed (root with apt, as on CI)."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("Chromium is not installed: run `apt-get install chromium` (Debian) to run the browser test")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env, timeout=900,
+                   capture_output=True)
+    found = shutil.which("chromium")
+    assert found, "apt-get installed chromium but it is not on PATH"
+    return found
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Path:
+    folder = Path(os.environ.get("PIPETRAINER_ARTIFACTS", REPO / ".artifacts")) / "browser"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def page(server, artifacts):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = _chromium()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-gpu"])
+        tab = browser.new_page(viewport={"width": 1600, "height": 1000})
+        tab.set_default_timeout(60_000)
+        tab.goto(server.url)
+        tab.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+        yield tab
+        browser.close()
+
+
+def _template_dialog(page):
+    """The template browser, open on this pack's templates."""
+    dialogs = page.locator("[role=dialog]")
+    for _ in range(5):  # another dialog (an error, or the browser opened for new users) goes first
+        if dialogs.count() == 0:
+            break
+        page.keyboard.press("Escape")
+        time.sleep(0.3)
+    page.get_by_text("Templates", exact=True).first.click()
+    dialog = dialogs.filter(has_text=PACK_TEMPLATES)
+    dialog.first.wait_for()
+    dialog.get_by_text(PACK_TEMPLATES, exact=True).click()
+    return dialog
+
+
+def _graph_nodes(page) -> list[dict]:
+    return page.evaluate("""() => window.app.graph._nodes.map(n => ({
+        id: n.id, type: n.type, registered: !!window.LiteGraph.registered_node_types[n.type],
+        errors: !!n.has_errors}))""")
+
+
+def test_every_example_opens_from_the_template_browser_without_missing_or_red_nodes(page, artifacts):
+    before = _graph_nodes(page)
+    for name in WORKFLOWS:  # each opened once, so each load changes the graph
+        dialog = _template_dialog(page)
+        dialog.get_by_text(name, exact=True).first.click()
+        page.wait_for_function("""(before) => !document.querySelector('[role=dialog]') &&
+            JSON.stringify(window.app.graph._nodes.map(n => [n.id, n.type])) !== before""",
+                               arg=json.dumps([[n["id"], n["type"]] for n in before], separators=(",", ":")))
+        time.sleep(0.5)  # the graph is configured in one go; let a missing-nodes dialog open
+        nodes = before = _graph_nodes(page)
+        if name == TINY:
+            page.screenshot(path=str(artifacts / f"template_{name}.png"))
+        expected = json.loads((REPO / "workflows" / f"{name}.json").read_text())["nodes"]
+        assert len(nodes) == len(expected), name
+        assert [n for n in nodes if not n["registered"]] == [], f"{name}: missing node types"
+        assert [n for n in nodes if n["errors"]] == [], f"{name}: red nodes"
+        assert page.locator("[role=dialog]").filter(has_text="Missing").count() == 0, f"{name}: missing-nodes dialog"
+
+
+def _open_tiny(page):
+    _template_dialog(page).get_by_text(TINY, exact=True).first.click()
+    page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'PipeTrainerTrain')")
+    return page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'PipeTrainerTrain').id")
+
+
+def _set_widget(page, node_id: int, name: str, value) -> None:
+    page.evaluate("""([id, name, value]) => {
+        const node = window.app.graph.getNodeById(id);
+        const widget = node.widgets.find(w => w.name === name);
+        widget.value = value;
+        if (widget.callback) widget.callback(value);
+        node.setDirtyCanvas(true, true);
+    }""", [node_id, name, value])
+
+
+def _run(page) -> None:
+    page.get_by_role("button", name="Run").first.click()
+
+
+def test_a_bad_lora_name_is_refused_on_its_widget_where_the_user_sees_it(page, artifacts):
+    train = _open_tiny(page)
+    _set_widget(page, train, "lora_name", "../evil")
+    _run(page)
+    page.wait_for_function("() => document.body.innerText.includes('lora_name')", timeout=60_000)
+    page.screenshot(path=str(artifacts / "bad_lora_name.png"))
+    shown = page.evaluate("() => document.body.innerText")
+    assert "lora_name '../evil' must be a plain file name" in shown
+    errors = page.evaluate("(id) => window.app.lastNodeErrors && window.app.lastNodeErrors[String(id)]", train)
+    assert errors, "the Train node has no validation error"
+    assert {e["extra_info"]["input_name"] for e in errors["errors"]} == {"lora_name"}  # on that widget only
+
+
+def test_the_tiny_example_shows_progress_the_loss_curve_and_where_the_lora_went(page, artifacts):
+    train = _open_tiny(page)
+    name = f"browser_{secrets.token_hex(3)}"
+    _set_widget(page, train, "lora_name", name)
+    _set_widget(page, train, "steps", 6)
+    _run(page)
+    text = f"() => {{ const w = (window.app.graph.getNodeById({train}).widgets || []).find(w => w.name === '{TEXT_WIDGET}'); return w ? String(w.value) : ''; }}"
+    page.wait_for_function(f"() => ({text})().includes('step ')", timeout=300_000)
+    page.screenshot(path=str(artifacts / "running.png"))
+    page.wait_for_function(f"() => ({text})().startsWith('done')", timeout=300_000)
+    page.screenshot(path=str(artifacts / "done.png"))
+    shown = page.evaluate(text)
+    assert f"{name}.safetensors" in shown and "run folder" in shown, shown
+    previews = page.evaluate(f"() => (window.app.nodePreviewImages || {{}})['{train}'] || []")
+    assert previews, "no loss-curve preview reached the Train node"
