@@ -35,6 +35,20 @@ PREVIEW_EVERY_S = 2.0
 WARM_POOL = WarmPool()
 
 
+class DoneText(ui.PreviewText):
+    """What the node shows at the end: its text, and the final previews' images when previews ran."""
+
+    def __init__(self, value: str, images: list | None = None):
+        super().__init__(value)
+        self.images = images or []
+
+    def as_dict(self) -> dict:
+        out = super().as_dict()
+        if self.images:
+            out["images"] = self.images
+        return out
+
+
 class PipeTrainerTrain(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -300,7 +314,5 @@ class PipeTrainerTrain(io.ComfyNode):
         if runner.status:
             done += f"\n{runner.status}"
         show_text(done, node_id)
-        shown = ui.PreviewText(done).as_dict()
-        if runner.ui_images():
-            shown["images"] = runner.ui_images()
-        return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve, ui=shown)
+        return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve,
+                             ui=DoneText(done, runner.ui_images()))

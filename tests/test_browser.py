@@ -9,8 +9,9 @@ What it checks, through the page itself:
   no missing node type and no red node;
 - a bad ``lora_name`` typed into the Train node is refused when queued, and the error the user sees
   names that widget;
-- the tiny example, queued with the Run button, shows progress text and the loss-curve preview on the
-  Train node, and ends with the LoRA file named on the node.
+- the tiny example, with a Preview Settings and a Validation Loss node added from the page and queued
+  with the Run button, shows progress text and the loss-curve picture on the Train node while it runs,
+  and ends with the LoRA file and the validation loss named on the node and the sample previews shown.
 Screenshots of each stage are kept in ``.artifacts/browser/`` (or ``$PIPETRAINER_ARTIFACTS``).
 """
 
@@ -75,16 +76,19 @@ def page(server, artifacts):
 def _template_dialog(page):
     """The template browser, open on this pack's templates."""
     dialogs = page.locator("[role=dialog]")
-    for _ in range(5):  # another dialog (an error, or the browser opened for new users) goes first
-        if dialogs.count() == 0:
+    templates = dialogs.filter(has_text=PACK_TEMPLATES)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        time.sleep(1)  # let a dialog that is opening (a new user's first visit opens it) or closing settle
+        if templates.count() and templates.first.is_visible():
             break
-        page.keyboard.press("Escape")
-        time.sleep(0.3)
-    page.get_by_text("Templates", exact=True).first.click()
-    dialog = dialogs.filter(has_text=PACK_TEMPLATES)
-    dialog.first.wait_for()
-    dialog.get_by_text(PACK_TEMPLATES, exact=True).click()
-    return dialog
+        if dialogs.count():  # another dialog (an error report) is in the way
+            page.keyboard.press("Escape")
+            continue
+        page.get_by_text("Templates", exact=True).first.click()
+    templates.first.wait_for(timeout=10_000)
+    templates.get_by_text(PACK_TEMPLATES, exact=True).click()
+    return templates
 
 
 def _graph_nodes(page) -> list[dict]:
@@ -128,6 +132,22 @@ def _set_widget(page, node_id: int, name: str, value) -> None:
     }""", [node_id, name, value])
 
 
+def _add_node(page, node_type: str, widgets: dict, sources: dict, target: tuple[int, str]) -> int:
+    """Add a node as a user would from the node library: widgets set, ``sources`` {input: (node id, output
+    slot)} wired in, its first output wired to ``target`` (node id, input name); returns its id."""
+    return page.evaluate("""([type, widgets, sources, target]) => {
+        const graph = window.app.graph;
+        const node = window.LiteGraph.createNode(type);
+        graph.add(node);
+        for (const [name, value] of Object.entries(widgets)) node.widgets.find(w => w.name === name).value = value;
+        for (const [name, [id, slot]] of Object.entries(sources))
+            graph.getNodeById(id).connect(slot, node, node.findInputSlot(name));
+        const to = graph.getNodeById(target[0]);
+        node.connect(0, to, to.findInputSlot(target[1]));
+        return node.id;
+    }""", [node_type, widgets, sources, list(target)])
+
+
 def _run(page) -> None:
     page.get_by_role("button", name="Run").first.click()
 
@@ -145,11 +165,17 @@ def test_a_bad_lora_name_is_refused_on_its_widget_where_the_user_sees_it(page, a
     assert {e["extra_info"]["input_name"] for e in errors["errors"]} == {"lora_name"}  # on that widget only
 
 
-def test_the_tiny_example_shows_progress_the_loss_curve_and_where_the_lora_went(page, artifacts):
+def test_the_tiny_example_shows_progress_previews_the_loss_curve_and_where_the_lora_went(page, artifacts):
     train = _open_tiny(page)
     name = f"browser_{secrets.token_hex(3)}"
     _set_widget(page, train, "lora_name", name)
     _set_widget(page, train, "steps", 6)
+    loaders = {n["type"]: n["id"] for n in _graph_nodes(page)}
+    _add_node(page, "PipeTrainerPreviewSettings",
+              {"prompts": "a red circle", "width": 64, "height": 64, "steps": 2, "every_n_steps": 3},
+              {"clip": (loaders["CLIPLoader"], 0), "vae": (loaders["VAELoader"], 0)}, (train, "previews"))
+    _add_node(page, "PipeTrainerValidation", {"every_n_steps": 3, "fraction": 0.25, "noise_levels": 2}, {},
+              (train, "validation"))
     _run(page)
     text = f"() => {{ const w = (window.app.graph.getNodeById({train}).widgets || []).find(w => w.name === '{TEXT_WIDGET}'); return w ? String(w.value) : ''; }}"
     page.wait_for_function(f"() => ({text})().includes('step ')", timeout=300_000)
@@ -158,5 +184,8 @@ def test_the_tiny_example_shows_progress_the_loss_curve_and_where_the_lora_went(
     page.screenshot(path=str(artifacts / "done.png"))
     shown = page.evaluate(text)
     assert f"{name}.safetensors" in shown and "run folder" in shown, shown
+    assert "validation loss" in shown, shown
     previews = page.evaluate(f"() => (window.app.nodePreviewImages || {{}})['{train}'] || []")
-    assert previews, "no loss-curve preview reached the Train node"
+    assert previews, "no loss-curve picture reached the Train node while it ran"
+    images = page.evaluate(f"() => ((window.app.nodeOutputs || {{}})['{train}'] || {{}}).images || []")
+    assert images, "the Train node shows no sample preview at the end"
