@@ -91,10 +91,22 @@ def _template_dialog(page):
     return templates
 
 
+USER_FILE = (".safetensors", ".gguf", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".png", ".jpg", ".jpeg", ".webp", ".mp4")
+
+
 def _graph_nodes(page) -> list[dict]:
+    """Each node's type, whether the frontend knows it, whether it is drawn red, and the values of its
+    combo widgets that are not among the host's choices (model files the user has yet to download, the
+    user's own input images: newer frontends draw such loaders red, as for ComfyUI's own templates)."""
     return page.evaluate("""() => window.app.graph._nodes.map(n => ({
         id: n.id, type: n.type, registered: !!window.LiteGraph.registered_node_types[n.type],
-        errors: !!n.has_errors}))""")
+        errors: !!n.has_errors,
+        absent: (n.widgets || []).filter(w => w.options && Array.isArray(w.options.values) &&
+                                             !w.options.values.includes(w.value)).map(w => String(w.value))}))""")
+
+
+def _red_for_another_reason(nodes: list[dict]) -> list[dict]:
+    return [n for n in nodes if n["errors"] and not (n["absent"] and all(v.lower().endswith(USER_FILE) for v in n["absent"]))]
 
 
 def test_every_example_opens_from_the_template_browser_without_missing_or_red_nodes(page, artifacts):
@@ -112,7 +124,7 @@ def test_every_example_opens_from_the_template_browser_without_missing_or_red_no
         expected = json.loads((REPO / "workflows" / f"{name}.json").read_text())["nodes"]
         assert len(nodes) == len(expected), name
         assert [n for n in nodes if not n["registered"]] == [], f"{name}: missing node types"
-        assert [n for n in nodes if n["errors"]] == [], f"{name}: red nodes"
+        assert _red_for_another_reason(nodes) == [], f"{name}: red nodes"
         assert page.locator("[role=dialog]").filter(has_text="Missing").count() == 0, f"{name}: missing-nodes dialog"
 
 
@@ -156,10 +168,17 @@ def test_a_bad_lora_name_is_refused_on_its_widget_where_the_user_sees_it(page, a
     train = _open_tiny(page)
     _set_widget(page, train, "lora_name", "../evil")
     _run(page)
-    page.wait_for_function("() => document.body.innerText.includes('lora_name')", timeout=60_000)
-    page.screenshot(path=str(artifacts / "bad_lora_name.png"))
+    try:  # 0.3.75's frontend opens a dialog with the message; newer ones show "1 ERROR" and "See Errors"
+        page.wait_for_function("() => ['lora_name', 'See Errors'].some(t => document.body.innerText.includes(t))",
+                               timeout=60_000)
+        if "lora_name" not in page.evaluate("() => document.body.innerText"):
+            page.get_by_text("See Errors", exact=True).first.click()
+        page.wait_for_function("() => document.body.innerText.includes('lora_name')", timeout=30_000)
+    finally:
+        page.screenshot(path=str(artifacts / "bad_lora_name.png"))
     shown = page.evaluate("() => document.body.innerText")
-    assert "lora_name '../evil' must be a plain file name" in shown
+    # (newer frontends HTML-escape the quoted value in their error panel: check the words around it)
+    assert "lora_name" in shown and "must be a plain file name" in shown, shown[-2000:]
     errors = page.evaluate("(id) => window.app.lastNodeErrors && window.app.lastNodeErrors[String(id)]", train)
     assert errors, "the Train node has no validation error"
     assert {e["extra_info"]["input_name"] for e in errors["errors"]} == {"lora_name"}  # on that widget only
