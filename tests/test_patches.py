@@ -88,3 +88,19 @@ def test_the_stage_engine_targets_exist_in_this_deepspeed_and_a_missing_one_is_r
 
     with pytest.raises(UnsupportedDeepSpeed, match=r"_broadcast_model is gone.*deepspeed==0.19.8"):
         check_supported(WithoutBroadcast)
+
+
+def test_the_gguf_patch_leaves_a_layer_without_the_hook_call_alone_and_says_why(capsys):
+    """A ComfyUI-GGUF whose layer no longer calls ``forward_ggml_cast_weights`` keeps its own forward."""
+    import torch
+    from pipetrainer.patches.gguf_lean_backward import dequantize_again_in_backward, why_not_applicable
+
+    class ChangedLayer(torch.nn.Linear):
+        def forward_comfy_cast_weights(self, input):
+            return super().forward(input)
+
+    model = torch.nn.Sequential(ChangedLayer(4, 4))
+    assert "no longer calls" in why_not_applicable(ChangedLayer)
+    assert dequantize_again_in_backward(model, ChangedLayer) == 0
+    assert "forward_ggml_cast_weights" not in vars(model[0])
+    assert "GGUF lean-backward patch NOT applied" in capsys.readouterr().out

@@ -175,3 +175,11 @@ def test_gguf_linears_keep_no_dequantized_weight_for_the_backward(gguf_files):
     assert theirs_saved - ours_saved >= 0.6 * weight_bytes, (ours_saved, theirs_saved, weight_bytes)
     assert ours_saved <= 0.1 * weight_bytes, (ours_saved, weight_bytes)
     assert torch.equal(ours_grad, theirs_grad)
+
+
+def test_the_lean_backward_patch_targets_this_comfyui_gguf():
+    """Fails when ComfyUI-GGUF's layers stop calling the hook the patch replaces (patches/gguf_lean_backward.py)."""
+    from pipetrainer.patches.gguf_lean_backward import why_not_applicable
+    from pipetrainer.training.quant.gguf import gguf_module
+
+    assert why_not_applicable(gguf_module(GGUF_PATH, "ops").GGMLLayer) is None

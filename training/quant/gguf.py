@@ -10,7 +10,6 @@ layer in the forward; PEFT's LoRA wraps them like any Linear.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from ...patches.gguf_lean_backward import dequantize_again_in_backward
 
 GGUF_REPO = "https://github.com/city96/ComfyUI-GGUF"
 _PACKAGE = "pipetrainer_comfyui_gguf"
@@ -70,45 +71,3 @@ def load_gguf_model(path: str, folder: str, compute_dtype: torch.dtype):
         raise ValueError(f"ComfyUI could not detect the model type of {path}.")
     dequantize_again_in_backward(patcher.model.diffusion_model, ops_module.GGMLLayer)
     return patcher
-
-
-class _DequantizedLinear(torch.autograd.Function):
-    """``linear(x, W, b)`` of a frozen GGUF Linear whose W is dequantized again for the backward, not kept.
-
-    Through ComfyUI-GGUF's own forward, autograd keeps each layer's dequantized weight (compute dtype,
-    2 bytes per weight in bf16) until the backward has passed it: with activation checkpointing that is
-    every Linear of the block being recomputed, which on Flux-min outweighs the whole Q8_0 file. The
-    weight is frozen, so the backward needs it only for the input's gradient: the layer's own
-    ``cast_bias_weight`` (same dequantization, same patches) makes it again there, as ComfyUI's own
-    quantized-training function (``comfy.ops.QuantLinearFunc``) keeps the quantized weight, not a copy.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-        weight, bias = layer.cast_bias_weight(x)
-        ctx.layer, ctx.dtype = layer, weight.dtype
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        weight, _ = ctx.layer.cast_bias_weight(dtype=ctx.dtype, device=grad.device)
-        return grad.to(weight.dtype).matmul(weight).to(grad.dtype), None
-
-
-def _lean_linear_forward(layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return _DequantizedLinear.apply(x, layer)
-
-
-def dequantize_again_in_backward(diffusion_model: torch.nn.Module, ggml_layer: type) -> int:
-    """Route the quantized matmul of every GGUF ``Linear`` through :class:`_DequantizedLinear`; return the count.
-
-    Set on the instances (ComfyUI-GGUF's ``forward_ggml_cast_weights`` hook, which its forward calls for
-    quantized weights only), never on the pack's classes.
-    """
-    count = 0
-    for module in diffusion_model.modules():
-        if isinstance(module, ggml_layer) and isinstance(module, torch.nn.Linear):
-            module.forward_ggml_cast_weights = functools.partial(_lean_linear_forward, module)
-            count += 1
-    return count
