@@ -155,6 +155,7 @@ EXAMPLES = {
     "pipetrainer_qwen_image": ("QwenImage", {}, set()),
     "pipetrainer_qwen_image_edit": ("QwenImage", {}, {"control_folder"}),
     "pipetrainer_z_image_turbo": ("Lumina2", {}, set()),
+    "pipetrainer_lumina2": ("Lumina2", {}, set()),
     "pipetrainer_sdxl": ("SDXL", {}, set()),
     "pipetrainer_wan_t2v": ("Wan", {}, set()),
     "pipetrainer_wan21_i2v": ("Wan", {}, {"start_image", "clip_vision"}),
