@@ -10,6 +10,7 @@ ComfyUI version: key names follow its classes, e.g. current ComfyUI's Flux RMSNo
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,6 +280,12 @@ def ensure_fixtures(comfyui: Path, *, flux: bool = False, balanced_flux: bool = 
 
 
 def _build_atomically(target: Path, build) -> None:
-    tmp = target.with_name(f".{target.name}.building")
-    build(tmp)
-    tmp.replace(target)
+    """Build into a file of this process's own, then rename: test processes running side by side
+    (pytest-xdist workers) may build the same seeded fixture at once, and each rename installs a
+    whole, identical file."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.building")
+    try:
+        build(tmp)
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
