@@ -8,6 +8,7 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io, ui
 
+from ..training.cache import reference_prompt
 from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
@@ -63,6 +64,18 @@ class PipeTrainerCache(io.ComfyNode):
                                     tooltip="Wan 2.1 I2V only: the CLIP vision model its workflow uses (e.g. "
                                             "clip_vision_h from 'Load CLIP Vision'). Needs start_image first_frame; "
                                             "Wan 2.2 I2V takes none. Its weights are part of the cache key."),
+                io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
+                               optional=True,
+                               tooltip="Edit datasets (a control folder) with a text encoder that reads images "
+                                       "(Qwen-Image-Edit's Qwen2.5-VL): encode each caption together with its "
+                                       "item's reference images, exactly as the text-encode node you sample with "
+                                       "does, so the LoRA trains under the conditioning it samples with. "
+                                       "edit_plus: TextEncodeQwenImageEditPlus (Qwen-Image-Edit 2509 / 2511, "
+                                       "'Picture N:' per image, up to 3); edit: TextEncodeQwenImageEdit (the first "
+                                       "Qwen-Image-Edit, one image). auto: the Plus node's encoding when the text "
+                                       "encoder reads images and the dataset has references, else off. off: "
+                                       "captions alone. The references join the text key: a changed reference "
+                                       "re-encodes its item's caption too."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -71,7 +84,7 @@ class PipeTrainerCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae, clip, text_dtype: str = "bf16", start_image: str = NO_START_IMAGE,
-                clip_vision=None) -> io.NodeOutput:
+                clip_vision=None, reference_in_prompt: str = reference_prompt.AUTO) -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
@@ -79,11 +92,13 @@ class PipeTrainerCache(io.ComfyNode):
 
         # Refuse a text encoder the cache key cannot describe before preflight encodes with it.
         start = StartImage(start_image, clip_vision)
-        problems = (start.problems() or text_encoder_problems(clip)
+        references = [(os.path.basename(e.path), len(e.references)) for e in dataset.entries]
+        style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references)
+        problems = (start.problems() or prompt_problems or text_encoder_problems(clip)
                     or preflight.cache_problems(dataset, vae, clip, cache_root()))
         if problems:
             raise ValueError("\n".join(problems))
-        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start)
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from comfy_api.latest import io
 
+from ..training.block_range import BlockRangeError, parse_blocks
+from ..training.lora_init import file_digest
 from ..training.optimizers import missing_package_problem
 from ..training.spec import (
     ADAPTER_TYPES,
@@ -48,34 +52,92 @@ class PipeTrainerLoRA(io.ComfyNode):
                 io.Combo.Input("save_dtype", options=list(SAVE_DTYPES), default="bf16", optional=True,
                                tooltip="dtype of the saved file: bf16 (half the size, what other trainers save) "
                                        "or fp32 (the trained weights exactly). Training is fp32 either way."),
+                io.String.Input("blocks", default="", optional=True,
+                                tooltip="Only these transformer blocks get adapters; empty = all. Plain numbers "
+                                        "count through all block lists in the order they run (Flux: double blocks "
+                                        "first, then single blocks continue the count), e.g. '0-9, 20'. "
+                                        "'<list>:<range>' uses that list's own numbers, as in the LoRA file's keys, "
+                                        "e.g. 'double_blocks:0-9, single_blocks:0-5' (a unique start such as "
+                                        "'single:' is enough). A range past the model's blocks is an error that "
+                                        "names its block counts."),
+                io.Combo.Input("init_lora", options=_init_lora_options(), default="none", optional=True,
+                               tooltip="Continue training from this LoRA (from the loras folder) instead of fresh "
+                                       "weights. It must be a PipeTrainer-format file for this model, of the same "
+                                       "adapter type, rank, alpha, targets and blocks (an error says which to set); "
+                                       "training starts from its exact weights."),
             ],
             outputs=[LoraConfig.Output(display_name="lora", tooltip="LoRA settings for Train LoRA.")],
         )
 
     @classmethod
     def validate_inputs(cls, adapter: str | None = "lora", dropout: float | None = 0.0,
-                        factor: int | None = -1) -> bool | str:
+                        factor: int | None = -1, blocks: str | None = "") -> bool | str:
         """The inputs that combine with the adapter type (a linked one has no value yet: :meth:`execute`
-        checks). ``factor`` is ignored unless the type is lokr, so switching types never fails on it."""
-        if adapter is None or dropout is None or factor is None:
+        checks). ``factor`` is ignored unless the type is lokr, so switching types never fails on it.
+        ``blocks`` syntax only: its range against the model is the Train node's preflight."""
+        if adapter is None or dropout is None or factor is None or blocks is None:
             return True
-        problems = cls._spec(8, 8.0, dropout, "attention_mlp", adapter, factor, "bf16").problems()
+        problems = cls._spec(8, 8.0, dropout, "attention_mlp", adapter, factor, "bf16", blocks).problems()
         return "\n".join(problems) if problems else True
+
+    @classmethod
+    def fingerprint_inputs(cls, init_lora: str | None = "none", **_: object) -> object:
+        """A LoRA file rewritten under the same name must re-run the node (its digest is in the spec)."""
+        path = _init_lora_path(init_lora)
+        if not path:
+            return ""
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return path
+        return (path, stat.st_size, stat.st_mtime_ns)
 
     @staticmethod
     def _spec(rank: int, alpha: float, dropout: float, targets: str, adapter: str, factor: int,
-              save_dtype: str) -> LoraSpec:
+              save_dtype: str, blocks: str = "", init_lora: str = "", init_lora_digest: str = "") -> LoraSpec:
         return LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=targets, adapter=adapter,
-                        factor=factor if adapter == "lokr" else -1, save_dtype=save_dtype)
+                        factor=factor if adapter == "lokr" else -1, save_dtype=save_dtype,
+                        blocks=_canonical_blocks(blocks), init_lora=init_lora, init_lora_digest=init_lora_digest)
 
     @classmethod
     def execute(cls, rank: int, alpha: float, dropout: float, targets: str, adapter: str = "lora",
-                factor: int = -1, save_dtype: str = "bf16") -> io.NodeOutput:
-        spec = cls._spec(rank, alpha, dropout, targets, adapter, factor, save_dtype)
+                factor: int = -1, save_dtype: str = "bf16", blocks: str = "",
+                init_lora: str = "none") -> io.NodeOutput:
+        path = _init_lora_path(init_lora)
+        if init_lora and init_lora != "none" and not path:
+            raise SpecError([f"init_lora {init_lora!r} is not in ComfyUI's loras folder: refresh the node and "
+                             "choose an existing file, or 'none'."])
+        spec = cls._spec(rank, alpha, dropout, targets, adapter, factor, save_dtype, blocks, path,
+                         file_digest(path) if path else "")
         problems = spec.problems()
         if problems:
             raise SpecError(problems)
         return io.NodeOutput(spec)
+
+
+def _init_lora_options() -> list[str]:
+    import folder_paths
+
+    return ["none", *folder_paths.get_filename_list("loras")]
+
+
+def _init_lora_path(name: str | None) -> str:
+    """The absolute path of the loras-folder file ``name`` ("" for none or a file that is gone)."""
+    if not name or name == "none":
+        return ""
+    import folder_paths
+
+    path = folder_paths.get_full_path("loras", name)
+    return os.path.abspath(path) if path else ""
+
+
+def _canonical_blocks(text: str) -> str:
+    """``blocks`` rewritten as ``"0-9, single_blocks:3"`` so spacing never changes the training hash
+    (a malformed text is kept as typed: the spec's check reports it)."""
+    try:
+        return ", ".join(item.text() for item in parse_blocks(text))
+    except BlockRangeError:
+        return text
 
 
 class PipeTrainerOptimizer(io.ComfyNode):

@@ -1,5 +1,6 @@
-"""``Dataset``: a folder of images and videos with same-name .txt captions, plus bucket settings and an
-optional control folder of reference images (edit models: the training image is the target)."""
+"""``Dataset``: a folder of images and videos with same-name .txt captions, plus bucket settings, an
+optional control folder of reference images (edit models: the training image is the target), and the
+cached flip and loss-mask variants (training/cache/masks.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
+from ..training.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
 from ..training.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
+from ..training.dataset_masks import FLIP_MODES, MASK_MODES
 from .types import CATEGORY, Dataset
 
 
@@ -70,18 +73,50 @@ class PipeTrainerDataset(io.ComfyNode):
                                         "training image name, name_1.png the second, and so on. Every training "
                                         "image needs one; unpaired files are errors. Relative paths are inside "
                                         "ComfyUI's input folder; empty = no references."),
+                io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                               tooltip="Share of items trained on the empty caption instead of their own, drawn "
+                                       "per item and step (0.05-0.1 is usual; helps prompt-less use and CFG). "
+                                       "The empty caption is encoded once, as 'CLIP Text Encode' encodes an empty "
+                                       "prompt. 0 = off."),
+                io.Int.Input("shuffle_tags", default=0, min=0, max=MAX_SHUFFLE_VARIANTS, optional=True,
+                             tooltip="Tag shuffle for tag-list captions ('1girl, red hair, smiling'): how many "
+                                     "shuffled versions of each caption are cached (text embeddings are cached, "
+                                     "so each version is encoded once and training draws one of them per item "
+                                     "and step). 0 = off: the caption as written. More versions = more variety "
+                                     "and more cache."),
+                io.Int.Input("keep_tags", default=1, min=0, max=64, optional=True,
+                             tooltip="With shuffle_tags: the first N tags stay in place (e.g. the trigger word); "
+                                     "0 shuffles every tag."),
+                io.String.Input("tag_separator", default=",", optional=True,
+                                tooltip="With shuffle_tags: what separates the tags of a caption (usually ',')."),
+                io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
+                               tooltip="'random': each item also trains mirrored left-right, half the time. The "
+                                       "mirrored image is encoded by the VAE once and cached (a second latent per "
+                                       "item). Not for edit datasets (control folder), nor for subjects whose "
+                                       "sides matter (text, asymmetric logos)."),
+                io.Combo.Input("mask", options=list(MASK_MODES), default="none", optional=True,
+                               tooltip="Masked loss: white areas train, black areas are ignored, grey weighs in "
+                                       "between. 'alpha': each image's transparency is its mask (every image needs "
+                                       "an alpha channel); 'folder': mask images from mask_folder. Masks are "
+                                       "cached with the latents."),
+                io.String.Input("mask_folder", default="", optional=True,
+                                tooltip="With mask 'folder': one mask image per training file, named like it "
+                                        "(name.png for name.jpg; one mask per video clip). Missing or unpaired "
+                                        "masks are errors. Relative paths are inside ComfyUI's input folder."),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, folder: str, control_folder: str = "", **_settings) -> str:
-        """Re-run when a file in the folder or the control folder changes, not only when an input does."""
+    def fingerprint_inputs(cls, folder: str, control_folder: str = "", mask_folder: str = "", **_settings) -> str:
+        """Re-run when a file in the folder, the control folder or the mask folder changes, not only when
+        an input does."""
         if not folder.strip():  # execute refuses it; do not fingerprint the whole input folder first
             return ""
         control = folder_fingerprint(resolve_folder(control_folder)) if control_folder.strip() else ""
-        return folder_fingerprint(resolve_folder(folder)) + control
+        masks = folder_fingerprint(resolve_folder(mask_folder)) if mask_folder.strip() else ""
+        return folder_fingerprint(resolve_folder(folder)) + control + masks
 
     @classmethod
     def validate_inputs(cls, extra_resolutions: str | None = None) -> bool | str:
@@ -108,14 +143,19 @@ class PipeTrainerDataset(io.ComfyNode):
     @classmethod
     def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str, aspect_buckets: int = 1,
                 min_ratio: float = 0.5, max_ratio: float = 2.0, extra_resolutions: str = "",
-                video_fps: float = 16.0, max_frames: int = 33, control_folder: str = "") -> io.NodeOutput:
+                video_fps: float = 16.0, max_frames: int = 33, control_folder: str = "", caption_dropout: float = 0.0,
+                shuffle_tags: int = 0, keep_tags: int = 1, tag_separator: str = ",", flip: str = "none",
+                mask: str = "none", mask_folder: str = "") -> io.NodeOutput:
         if not folder.strip():
             raise ValueError("folder is empty: give a folder of captioned images.")
         try:
             settings = cls.bucket_settings(resolution, aspect_buckets, min_ratio, max_ratio, extra_resolutions,
                                            video_fps, max_frames)
             control = resolve_folder(control_folder) if control_folder.strip() else None
-            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings, control)
+            captions = CaptionOptions(caption_dropout, shuffle_tags, keep_tags, tag_separator)
+            masks = resolve_folder(mask_folder) if mask_folder.strip() else None
+            dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings, control,
+                                   captions, flip=flip, mask=mask, mask_folder=masks)
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
         return io.NodeOutput(dataset, dataset.report())

@@ -11,6 +11,7 @@ from .dataset import PipeTrainerDataset
 from .gguf_source import PipeTrainerLoadGGUF
 from .model_source import PipeTrainerLoadDiffusionModel
 from .preview_settings import PipeTrainerPreviewSettings
+from .regularization import PipeTrainerRegularization
 from .timesteps import PipeTrainerTimesteps
 from .train import PipeTrainerTrain
 from .validation import PipeTrainerValidation
@@ -25,6 +26,7 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerOptimizer,
     PipeTrainerTimesteps,
     PipeTrainerValidation,
+    PipeTrainerRegularization,
     PipeTrainerPreviewSettings,
     PipeTrainerTrain,
 ]

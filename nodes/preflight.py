@@ -300,8 +300,11 @@ def deepspeed_problems(installed: bool, platform: str) -> list[str]:
 
 
 def lora_parameter_count(model: ModelPatcher, lora: LoraSpec) -> int:
-    """LoRA parameters the run will train: ``rank * (in + out)`` for every targeted Linear."""
-    return family_checks.lora_parameter_count(model.model, lora.rank, lora.targets)
+    """Adapter parameters the run will train: each targeted Linear's count for the adapter type, as PEFT
+    builds it (LoHa doubles LoRA's ``rank * (in + out)``, LoKr is far smaller; training/adapter_size.py)."""
+    from ..training.adapter_size import model_adapter_parameter_count
+
+    return model_adapter_parameter_count(model.model, lora)
 
 
 def run_disk_bytes(lora_params: int, train: TrainSpec) -> int:
@@ -432,3 +435,16 @@ def validation_cache_problems(model: ModelPatcher, items: Sequence[CacheItem]) -
     if inputs is not None and not model_support_problems(model):
         problems += cache_vs_model_problems(shapes, inputs)
     return [f"Validation cache: {p}" for p in problems]
+
+
+def regularization_cache_problems(model: ModelPatcher, cache: CacheResult) -> list[str]:
+    """A regularization cache against the model, by the training cache's rules: items it dropped, entries
+    missing or damaged, latents and embeddings the model cannot take."""
+    items = tuple(getattr(cache, "items", ()))
+    problems = dropped_item_problems(tuple(getattr(getattr(cache, "report", None), "skipped", ())))
+    shapes = read_cached_shapes(items)
+    problems += unreadable_cache_problems(shapes.unreadable)
+    inputs = model_inputs(model)
+    if inputs is not None and not model_support_problems(model):
+        problems += cache_vs_model_problems(shapes, inputs)
+    return [f"Regularization cache: {p}" for p in problems]

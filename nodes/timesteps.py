@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..training.spec import TIMESTEP_DISTRIBUTIONS, TIMESTEP_SHIFTS, TimestepSpec
+from ..training.spec import LOSS_WEIGHTINGS, TIMESTEP_DISTRIBUTIONS, TIMESTEP_SHIFTS, TimestepSpec
 from .types import CATEGORY, TimestepConfig
 
 
@@ -39,6 +39,12 @@ class PipeTrainerTimesteps(io.ComfyNode):
                                tooltip="Train only noise levels at or above this (e.g. a Wan 2.2 high-noise expert)."),
                 io.Float.Input("sigma_max", default=1.0, min=0.0, max=1.0, step=0.001,
                                tooltip="Train only noise levels at or below this (e.g. a Wan 2.2 low-noise expert)."),
+                io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none", optional=True,
+                               tooltip="Flow models only (SD3, Flux, Wan, ...): scale each image's loss by its "
+                                       "noise level, SD3's schemes with their raw weights. none: every level "
+                                       "alike. cosmap: 2/(pi(1-2s+2s^2)), 0.64 to 1.27, favours the middle. "
+                                       "sigma_sqrt: 1/s^2, huge at low noise (keep max_grad_norm, or raise "
+                                       "sigma_min). The validation loss stays unweighted."),
             ],
             outputs=[TimestepConfig.Output(display_name="timesteps", tooltip="For Train LoRA's timesteps input.")],
         )
@@ -50,8 +56,9 @@ class PipeTrainerTimesteps(io.ComfyNode):
 
     @classmethod
     def execute(cls, distribution: str, shift: str, shift_value: float, logit_mean: float, logit_std: float,
-                base_shift: float, max_shift: float, sigma_min: float, sigma_max: float) -> io.NodeOutput:
+                base_shift: float, max_shift: float, sigma_min: float, sigma_max: float,
+                loss_weighting: str = "none") -> io.NodeOutput:
         return io.NodeOutput(TimestepSpec(
             distribution=distribution, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
             shift_value=shift_value, base_shift=base_shift, max_shift=max_shift,
-            sigma_min=sigma_min, sigma_max=sigma_max))
+            sigma_min=sigma_min, sigma_max=sigma_max, loss_weighting=loss_weighting))

@@ -17,7 +17,16 @@ from safetensors.torch import load_file
 from ..training.adapters import adapter_target_problems
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.pipelines.options import options_from_inputs, parse_family_options
-from ..training.spec import PARTITION_METHODS, TRAIN_DTYPES, RunSpec, SpecError, TimestepSpec, TrainSpec, ValidationSpec
+from ..training.spec import (
+    PARTITION_METHODS,
+    TRAIN_DTYPES,
+    RegularizationSpec,
+    RunSpec,
+    SpecError,
+    TimestepSpec,
+    TrainSpec,
+    ValidationSpec,
+)
 from . import checkpoints, graph_patches, paths, preflight, run_messages, run_process
 from .launch import launch_settings, resolve_gpus
 from .loss_plot import as_image_tensor, loss_curve
@@ -26,6 +35,7 @@ from .preview_settings import PreviewConfig, preview_save_every
 from .preview_sheet import progress_sheet
 from .previews import PreviewRunner
 from .progress_text import show_text
+from .regularization import RegularizationConfig
 from .stacked_loras import write_stacked_loras
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig, ValidationConfig
 from .warm_pool import WarmPool
@@ -109,6 +119,9 @@ class PipeTrainerTrain(io.ComfyNode):
                 ValidationConfig.Input("validation", optional=True,
                                        tooltip="From 'Validation Loss (PipeTrainer)': held-out images evaluated "
                                                "every N steps at fixed noise, plotted with the training loss."),
+                RegularizationConfig.Input("regularization", optional=True,
+                                           tooltip="From 'Regularization Images (PipeTrainer)': prior images "
+                                                   "mixed in by micro-batch, their loss scaled by its weight."),
                 io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
                                tooltip="Guidance-distilled models (FLUX.1-dev): the guidance the model sees while "
                                        "training. 1.0 is what the other trainers use for dev LoRAs: the LoRA learns "
@@ -214,10 +227,19 @@ class PipeTrainerTrain(io.ComfyNode):
             else:
                 if settings["validation"].cache is not None:
                     problems += preflight.validation_cache_problems(model, validation.items)
+        regularization = RegularizationSpec()
+        if settings.get("regularization") is not None:
+            try:
+                regularization = settings["regularization"].spec()
+            except SpecError as exc:
+                problems += exc.problems
+            else:
+                problems += preflight.regularization_cache_problems(model, settings["regularization"].cache)
         if problems:
             raise SpecError(problems)
         spec = RunSpec(
             model=recipe, items=items, lora=lora, optimizer=optimizer, train=train, validation=validation,
+            regularization=regularization,
             run_dir="/pending", lora_output=paths.lora_output_path(lora_name),
             step_loras_dir=paths.step_loras_dir(lora_name),
             comfyui_path=os.path.dirname(os.path.abspath(folder_paths.__file__)), device=device,

@@ -311,7 +311,7 @@ def test_the_lora_adapter_node_offers_the_types_and_saves_bf16_by_default(comfy_
     schema = PipeTrainerLoRA.define_schema()
     names = [i.id for i in schema.inputs]
     assert names[:4] == ["rank", "alpha", "dropout", "targets"]  # saved workflows keep their widget order
-    assert names[4:] == ["adapter", "factor", "save_dtype"]
+    assert names[4:] == ["adapter", "factor", "save_dtype", "blocks", "init_lora"]
 
 
 def test_lokr_on_a_per_layer_quantized_model_is_refused_in_preflight_and_at_injection(fixture_paths, tmp_path):

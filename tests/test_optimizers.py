@@ -4,8 +4,10 @@ Fast tier, in this process: every optimizer lowers the tiny MMDiT's loss through
 against a control on the same seeded batches at a learning rate of ~0; each schedule's curve equals
 torch's own schedulers built here; the groups say which weights decay and which learn faster; the
 EMA follows its recurrence; schedule-free weights are saved averaged and trained on unchanged; the
-Optimizer node reports every bad combination in one message. Slow tier: for every optimizer, a real
-run resumed from its step-2 checkpoint continues bit for bit.
+Optimizer node reports every bad combination in one message; Prodigy on two gloo ranks (stages that
+split the parameters, replicas that hold them all) estimates the step size of one process holding them
+all. Slow tier: for every optimizer, a real run resumed from its step-2 checkpoint continues bit for
+bit; a 2-stage Prodigy pipeline steps like the 1-stage one and resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -370,6 +372,67 @@ def test_a_warm_up_as_long_as_the_run_is_refused_with_the_run_s_steps(fixture_pa
         make_spec(fixture_paths.mmdit, [item], tmp_path / "run", comfy_root, steps=10, optimizer=fits)
 
 
+# ---- Prodigy across ranks: one step-size estimate for the whole model ---------------------------
+
+PRODIGY_SHAPES = ((8, 4), (4, 8), (12,), (6, 6), (3, 5), (7,))
+PRODIGY_STEPS = 20  # d settles by then: 1.36 for the whole, 0.61 and 2.17 for the halves alone
+
+
+def _prodigy_trajectory(indices: list[int], plain: bool = False) -> dict:
+    """Prodigy (by build_stage_optimizer; ``plain``: prodigyopt's own, never summed) on the seeded
+    parameters ``indices`` of PRODIGY_SHAPES, each pulled towards its own seeded target with seeded noise
+    (the gradient depends on the weights, so a different d changes the path; odd-numbered targets lie
+    farther away, so the two halves alone would estimate different step sizes). Returns d per step and
+    the final weights."""
+    from prodigyopt import Prodigy
+
+    params = []
+    for i in indices:
+        g = torch.Generator().manual_seed(100 + i)
+        params.append((f"p{i}", torch.nn.Parameter(torch.randn(*PRODIGY_SHAPES[i], generator=g)),
+                       torch.randn(*PRODIGY_SHAPES[i], generator=g) * (1 + 5 * (i % 2))))  # unlike halves
+    spec = OptimizerSpec(name="Prodigy", lr=1.0, weight_decay=0.01)
+    if plain:
+        optimizer = Prodigy([p for _, p, _ in params], lr=1.0, weight_decay=0.01)
+    else:
+        optimizer = build_stage_optimizer(spec, [(n, p) for n, p, _ in params], PRODIGY_STEPS).optimizer
+    ds = []
+    for step in range(PRODIGY_STEPS):
+        for i, (_, p, target) in zip(indices, params, strict=True):
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + i))
+            p.grad = (p.detach() - target) + 0.1 * noise
+        optimizer.step()
+        ds.append(float(optimizer.param_groups[0]["d"]))
+    return {"d": ds, "weights": {n: p.detach().flatten().tolist() for n, p, _ in params}}
+
+
+def prodigy_on_ranks(rank: int, world: int) -> dict:
+    """On each of 2 gloo ranks: the parameters split like pipeline stages (rank r holds every world-th
+    one), held whole like data-parallel replicas, and the stage split with prodigyopt's plain Prodigy."""
+    everything = list(range(len(PRODIGY_SHAPES)))
+    share = everything[rank::world]
+    return {"stages": _prodigy_trajectory(share), "replicas": _prodigy_trajectory(everything),
+            "plain_stages": _prodigy_trajectory(share, plain=True)}
+
+
+def test_prodigy_on_several_ranks_estimates_the_one_rank_step_size(tmp_path):
+    """Stages that each hold part of the parameters, or replicas that each hold all of them, get the d of
+    one process holding them all (float64 sums, only their order differs), and so the same weights;
+    prodigyopt's plain Prodigy on a stage's share estimates another d, which is what this prevents."""
+    from pipetrainer.tests.gloo_ranks import run_on_gloo_ranks
+
+    one = _prodigy_trajectory(list(range(len(PRODIGY_SHAPES))))
+    ranks = run_on_gloo_ranks(f"{__name__}:prodigy_on_ranks", tmp_path)
+    for r in ranks:
+        assert r["stages"]["d"] == pytest.approx(one["d"], rel=1e-12), (r["stages"]["d"], one["d"])
+        assert r["replicas"]["d"] == pytest.approx(one["d"], rel=1e-12)
+        for part in ("stages", "replicas"):
+            for name, values in r[part]["weights"].items():
+                assert values == pytest.approx(one["weights"][name], rel=1e-6, abs=1e-7), (part, name)
+        plain = r["plain_stages"]["d"]
+        assert abs(plain[-1] - one["d"][-1]) > 0.3 * one["d"][-1], (plain, one["d"])  # the oracle can tell
+
+
 # ---- slow tier: exact resume in the real process tree ---------------------------------------------
 
 
@@ -420,3 +483,31 @@ def test_each_optimizer_resumes_bit_exactly(fixture_paths, comfy_root, tmp_path,
     if straight.optimizer.ema_decay:
         assert _same_file(ema_path(resumed.lora_output), ema_path(straight.lora_output))
         assert not _same_file(ema_path(straight.lora_output), straight.lora_output)
+
+
+@pytest.mark.slow
+def test_prodigy_on_two_stages_steps_like_one_stage_and_resumes_exactly(fixture_paths, comfy_root, tmp_path):
+    """Real pipelines: the 2-stage run's step size (the step events' rate: d × lr, from stage 0) is the
+    1-stage run's, where a per-stage estimate would differ; and the 2-stage run resumed from its
+    step-2 checkpoint continues bit for bit (the all-reduced sums come back the same)."""
+    items = [_random_item(tmp_path / "cache")]
+    settings = dict(steps=4, gradient_checkpointing=False, optimizer=_resume_spec("Prodigy"))
+    runs = {}
+    for stages in (1, 2):
+        spec = make_spec(fixture_paths.mmdit, items, tmp_path / f"stages{stages}", comfy_root,
+                         pipeline_stages=stages, save_every=2, **settings)
+        code, events = run_training(spec)
+        assert code == 0, [e for e in events if e["type"] == "error"]
+        runs[stages] = (spec, events)
+    rates = {stages: [e["lr"] for e in events if e["type"] == "step"] for stages, (_, events) in runs.items()}
+    assert rates[2] == pytest.approx(rates[1], rel=1e-9), rates
+    assert losses(runs[2][1]) == pytest.approx(losses(runs[1][1]), rel=1e-6)
+    straight, events = runs[2]
+    checkpoint = next(e["checkpoint"] for e in events if e["type"] == "saved" and e["step"] == 2)
+    resumed = make_spec(fixture_paths.mmdit, items, tmp_path / "resumed", comfy_root, pipeline_stages=2,
+                        resume_from=checkpoint, **settings)
+    code, resumed_events = run_training(resumed)
+    assert code == 0, [e for e in resumed_events if e["type"] == "error"]
+    assert losses(resumed_events) == losses(events)[2:]
+    assert [e["lr"] for e in resumed_events if e["type"] == "step"] == rates[2][2:]
+    assert _same_file(resumed.lora_output, straight.lora_output)

@@ -44,7 +44,9 @@ class AdapterKind:
     Kaiming-uniform), so a fresh adapter changes nothing. ``up``: the factors LoRA+ speeds up (none:
     LoRA+ does not apply). ``quant_layers``: whether :class:`~.quant.layers.QuantLinearLora` implements
     it on ComfyUI's per-layer-quantized Linears. ``to_file`` turns one module's ``{factor: fp32 tensor}``
-    into its ``{ComfyUI suffix: tensor}`` (scale conventions included)."""
+    into its ``{ComfyUI suffix: tensor}`` (scale conventions included); ``from_file`` is its inverse
+    (continuing from a file, training/lora_init.py), and ``file_rank`` reads the rank off one module's
+    ``{ComfyUI suffix: shape}`` (None where the layout does not show it)."""
 
     name: str
     factors: Mapping[str, str]
@@ -52,6 +54,8 @@ class AdapterKind:
     peft_config: Callable[[LoraSpec, str], object]
     peft_layer: Callable[[], type]
     to_file: Callable[[Mapping[str, torch.Tensor], LoraSpec], dict[str, torch.Tensor]]
+    from_file: Callable[[Mapping[str, torch.Tensor], LoraSpec], dict[str, torch.Tensor]]
+    file_rank: Callable[[Mapping[str, tuple[int, ...]]], int | None]
     up: tuple[str, ...] = ()
     quant_layers: bool = False
     file_format: str = ""
@@ -108,10 +112,28 @@ def _with_alpha(factors: Mapping[str, str]) -> Callable[[Mapping[str, torch.Tens
     return to_file
 
 
+def _factors_of(factors: Mapping[str, str]) -> Callable[[Mapping[str, torch.Tensor], LoraSpec], dict[str, torch.Tensor]]:
+    """The inverse of :func:`_with_alpha`: each file tensor under its PEFT factor (``alpha`` is checked
+    against the spec by training/lora_init.py, not loaded)."""
+    by_suffix = {suffix: name for name, suffix in factors.items()}
+
+    def from_file(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+        return {by_suffix[suffix]: t for suffix, t in tensors.items() if suffix != "alpha"}
+    return from_file
+
+
+def _rank_from(suffix: str, dim: int) -> Callable[[Mapping[str, tuple[int, ...]]], int | None]:
+    def file_rank(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+        shape = shapes.get(suffix)
+        return int(shape[dim]) if shape is not None and len(shape) == 2 else None
+    return file_rank
+
+
 _LORA_FACTORS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
 register(AdapterKind(
     name="lora", factors=_LORA_FACTORS, zero_init=("lora_B",), peft_config=_lora_config, peft_layer=_lora_layer,
-    to_file=_with_alpha(_LORA_FACTORS), up=("lora_B",), quant_layers=True,
+    to_file=_with_alpha(_LORA_FACTORS), from_file=_factors_of(_LORA_FACTORS), file_rank=_rank_from("lora_A.weight", 0),
+    up=("lora_B",), quant_layers=True,
     file_format="diffusion_model.<ComfyUI module>.lora_A/lora_B/alpha",
 ))
 
@@ -147,9 +169,26 @@ def _lokr_to_file(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[s
     return out
 
 
+def _lokr_from_file(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_lokr_to_file`: with both factors whole, ``lokr_w1`` carries PEFT's alpha / rank,
+    which PEFT applies again, so it is divided out (fp32; a re-save multiplies it back to within an ulp)."""
+    out = {name: tensors[suffix] for name, suffix in _LOKR_FACTORS.items() if suffix in tensors}
+    if not any(name.endswith(("_a", "_b")) for name in out) and "lokr_w1" in out:
+        out["lokr_w1"] = out["lokr_w1"] / (spec.alpha / spec.rank)
+    return out
+
+
+def _lokr_file_rank(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+    """The rank of a decomposed factor (``w?_a`` is [dim, rank]); whole factors carry none."""
+    for suffix in ("lokr_w2_a", "lokr_w1_a"):
+        if suffix in shapes and len(shapes[suffix]) == 2:
+            return int(shapes[suffix][1])
+    return None
+
+
 register(AdapterKind(
     name="lokr", factors=_LOKR_FACTORS, zero_init=("lokr_w1", "lokr_w1_a"), peft_config=_lokr_config,
-    peft_layer=_lokr_layer, to_file=_lokr_to_file,
+    peft_layer=_lokr_layer, to_file=_lokr_to_file, from_file=_lokr_from_file, file_rank=_lokr_file_rank,
     file_format="diffusion_model.<ComfyUI module>.lokr_w1/lokr_w2 (or lokr_w2_a/lokr_w2_b + alpha)",
 ))
 
@@ -174,7 +213,7 @@ _LOHA_FACTORS = {"hada_w1_a": "hada_w1_a", "hada_w1_b": "hada_w1_b", "hada_w2_a"
                  "hada_w2_b": "hada_w2_b"}
 register(AdapterKind(
     name="loha", factors=_LOHA_FACTORS, zero_init=("hada_w2_b",), peft_config=_loha_config, peft_layer=_loha_layer,
-    to_file=_with_alpha(_LOHA_FACTORS),
+    to_file=_with_alpha(_LOHA_FACTORS), from_file=_factors_of(_LOHA_FACTORS), file_rank=_rank_from("hada_w1_a", 1),
     file_format="diffusion_model.<ComfyUI module>.hada_w1_a/hada_w1_b/hada_w2_a/hada_w2_b/alpha",
 ))
 
@@ -252,17 +291,31 @@ def quant_layer_problem(kind: AdapterKind, names: list[str]) -> str | None:
 
 
 def adapter_target_problems(model_base: object, lora: LoraSpec) -> list[str]:
-    """Preflight: the adapter type against the MODEL's targets (the quantized layers it cannot wrap)."""
+    """Preflight: the adapter against the MODEL's targets: the quantized layers its type cannot wrap, the
+    ``blocks`` range against the model's block counts, and the ``init_lora`` file against the targets."""
     from .pipelines.base import adapter_for
     from .pipelines.checks import model_inputs
-    from .pipelines.targets import model_targets
-    from .quant.layers import is_comfy_quant_linear
+    from .pipelines.targets import block_range_problems, model_targets, run_target_regex
+    from .quant.layers import is_comfy_quant_linear, is_linear_like
 
     kind = REGISTRY.get(lora.adapter)
     inputs = model_inputs(model_base)
     if kind is None or inputs is None:
         return []  # the spec's own check names an unknown type; an unknown family is reported elsewhere
-    regex = adapter_for(inputs.family).lora_target_regex(lora.targets)
-    quant = [name for name, m in model_targets(model_base.diffusion_model, regex).items() if is_comfy_quant_linear(m)]
-    problem = quant_layer_problem(kind, quant)
-    return [problem] if problem else []
+    family, dm = adapter_for(inputs.family), model_base.diffusion_model
+    problems = block_range_problems(family, dm, lora)
+    if problems:
+        return problems
+    targets = model_targets(dm, run_target_regex(family, dm, lora))
+    problem = quant_layer_problem(kind, [name for name, m in targets.items() if is_comfy_quant_linear(m)])
+    problems += [problem] if problem else []
+    if lora.init_lora:
+        from .lora_init import InitLoraError, init_problems, read_init_file
+
+        try:
+            init = read_init_file(lora.init_lora)
+        except (InitLoraError, OSError) as exc:
+            return [*problems, str(exc)]
+        linears = [n for n, m in dm.named_modules() if n and is_linear_like(m)]
+        problems += init_problems(init, lora, targets, linears)
+    return problems

@@ -18,16 +18,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors.torch import load_file
 
+from .cache.masks import FLIP_PROBABILITY, FLIPPED_LATENT, LOSS_MASK, flip_example_mask
 from .cache.reader import read_entries
 from .loss import noisy_input_and_target
+from .loss_weighting import item_scales, scale_labels
 from .pipelines.base import Batch
 from .spec import CacheItem, TimestepSpec
 from .timesteps import sample_sigmas
+
+
+@dataclass(frozen=True)
+class TextChoice:
+    """One cached text entry an item can train on (a tag-shuffle variant, or the empty caption)."""
+
+    cond: torch.Tensor
+    pooled: torch.Tensor | None
+    extras: Mapping[str, torch.Tensor]  # the text entry's extras (e.g. its attention mask)
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,15 @@ class Example:
     pooled: torch.Tensor | None  # [D]
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the family's named extras (ExtraSpec)
     latent_extra_shapes: tuple = ()  # (name, shape) of the latent entry's extras (reference latents), sorted
+    # Caption options (training/captions.py), first stage only: the tag-shuffle variants drawn among per
+    # micro-batch (cond/pooled above are the first), and the empty caption drawn with caption_dropout.
+    text_variants: tuple[TextChoice, ...] = ()
+    empty_text: TextChoice | None = None
+    caption_dropout: float = 0.0
+    # Cached variants (cache/masks.py), read on every stage from the latent entry: the VAE encode of the
+    # mirrored item (flip) and the loss mask on the latent grid [1, h, w] (white = train).
+    flipped: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     @property
     def shape_key(self) -> tuple:
@@ -48,7 +68,7 @@ class Example:
         return tuple(self.latent.shape) + self.latent_extra_shapes
 
 
-_LATENT_KEYS = ("latent",)
+_LATENT_KEYS = ("latent", FLIPPED_LATENT, LOSS_MASK)  # not family extras: they never join the shape key
 _TEXT_KEYS = ("cond", "pooled")
 
 
@@ -65,26 +85,56 @@ def load_examples(items: Sequence[CacheItem], text: bool = True,
         if item.latent_key:
             keyed.setdefault(item.latent_file, set()).update((item.latent_key, item.text_key) if text else
                                                              (item.latent_key,))
+            if text:  # caption options: the other tag-shuffle variants and the empty caption
+                keyed[item.latent_file].update(item.text_variants + ((item.empty_text_key,) if item.empty_text_key
+                                                                     else ()))
     tensors = {k: v for index_file, keys in keyed.items() for k, v in read_entries(index_file, keys).items()}
-    loaded: dict[tuple[str, str, str, str], Example] = {}
+    choices: dict[str, TextChoice] = {}
+
+    def choice(key: str) -> TextChoice:  # one TextChoice per text entry, shared by the items using it
+        if key not in choices:
+            choices[key] = _text_choice(tensors[key], text_dtype)
+        return choices[key]
+
+    loaded: dict[tuple, Example] = {}
     out = []
     for item in items:
-        key = (item.latent_file, item.text_file, item.latent_key, item.text_key)
+        key = (item.latent_file, item.text_file, item.latent_key, item.text_key, item.text_variants,
+               item.empty_text_key, item.caption_dropout)
         if key not in loaded:
             lat = tensors[item.latent_key] if item.latent_key else load_file(item.latent_file)
             cond = pooled = None
             extras = {k: v for k, v in lat.items() if k not in _LATENT_KEYS}
             latent_extra_shapes = tuple((k, tuple(v.shape)) for k, v in sorted(extras.items()))
+            variants, empty, dropout = (), None, 0.0
             if text:
-                txt = tensors[item.text_key] if item.text_key else load_file(item.text_file)
-                cond, pooled = txt["cond"], txt.get("pooled")
-                if text_dtype is not None:
-                    cond = cond.to(text_dtype)
-                    pooled = pooled.to(text_dtype) if pooled is not None else None
-                extras.update({k: v for k, v in txt.items() if k not in _TEXT_KEYS})
-            loaded[key] = Example(lat["latent"], cond, pooled, extras, latent_extra_shapes)
+                first = choice(item.text_key) if item.text_key else _text_choice(load_file(item.text_file), text_dtype)
+                cond, pooled = first.cond, first.pooled
+                extras.update(first.extras)
+                variants = tuple(choice(k) for k in item.text_variants)
+                empty = choice(item.empty_text_key) if item.empty_text_key else None
+                dropout = item.caption_dropout
+            loaded[key] = Example(lat["latent"], cond, pooled, extras, latent_extra_shapes, variants, empty, dropout,
+                                  flipped=lat.get(FLIPPED_LATENT), mask=lat.get(LOSS_MASK))
         out.append(loaded[key])
     return out
+
+
+def _text_choice(txt: Mapping[str, torch.Tensor], text_dtype: torch.dtype | None) -> TextChoice:
+    """A cached text entry's tensors, embeddings in ``text_dtype`` (a no-op for caches stored at it)."""
+    cond, pooled = txt["cond"], txt.get("pooled")
+    if text_dtype is not None:
+        cond = cond.to(text_dtype)
+        pooled = pooled.to(text_dtype) if pooled is not None else None
+    return TextChoice(cond, pooled, {k: v for k, v in txt.items() if k not in _TEXT_KEYS})
+
+
+def with_text(example: Example, text: TextChoice) -> Example:
+    """``example`` trained on ``text``: its cond, pooled and text extras swapped, its latent extras kept."""
+    latent_names = {name for name, _ in example.latent_extra_shapes}
+    extras = {k: v for k, v in example.extras.items() if k in latent_names}
+    extras.update(text.extras)
+    return replace(example, cond=text.cond, pooled=text.pooled, extras=extras)
 
 
 def bucket_groups(examples: Sequence[Example]) -> list[list[int]]:
@@ -203,13 +253,71 @@ class MicroBatches:
 
     def build(self, micro: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """``(first-stage inputs, target)`` of global micro-batch ``micro``; the target is
-        ``(target, loss weight)`` when the family masks the loss."""
-        batch = [self.examples[i] for i in self._indices(micro)]
+        ``(target, loss weight)`` when the family or the items' loss masks weigh the loss."""
+        batch = self.flipped(self.captioned([self.examples[i] for i in self._indices(micro)], micro), micro)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + micro * self.replicas + self.replica) % (2**63))
         x0 = self.processed_latents([b.latent for b in batch])
         noise = torch.randn(x0.shape, generator=g)
         sigma = self.sigmas(len(batch), g, tuple(x0.shape[1:]))
-        return self.assemble(batch, x0, noise, sigma)
+        inputs, labels = self.assemble(batch, x0, noise, sigma)
+        # Loss weighting by sigma (training only: validation losses stay unweighted, comparable across runs).
+        scale = item_scales(self.timesteps.loss_weighting, sigma, self.model.model_sampling)
+        return inputs, (labels if scale is None else scale_labels(labels, scale))
+
+    def captioned(self, batch: list[Example], micro: int) -> list[Example]:
+        """Each item's text in micro-batch ``micro``: the empty caption with probability caption_dropout,
+        else one of its tag-shuffle variants (training/captions.py).
+
+        Drawn from a generator of its own, seeded by the run seed and the global micro-batch index,
+        two draws per position in the batch: the noise stream is the same with the options on or off,
+        and every stage, replica layout or resumed run that builds micro-batch ``micro`` draws alike.
+        Only the first stage reads text; the last (no cond) needs no choice.
+        """
+        if not batch or batch[0].cond is None or not any(b.text_variants or b.caption_dropout for b in batch):
+            return batch
+        rng = random.Random(f"captions:{self.seed}:{micro * self.replicas + self.replica}")
+        out = []
+        for b in batch:
+            drop, pick = rng.random(), rng.random()
+            if b.empty_text is not None and drop < b.caption_dropout:
+                out.append(with_text(b, b.empty_text))
+            elif b.text_variants:
+                out.append(with_text(b, b.text_variants[int(pick * len(b.text_variants))]))
+            else:
+                out.append(b)
+        return out
+
+    def flipped(self, batch: list[Example], micro: int) -> list[Example]:
+        """Each item with a cached flip trains mirrored with probability 1/2 in micro-batch ``micro``:
+        its flipped latent, and the mirror of its mask grid.
+
+        One draw per position in the batch from a generator of its own, seeded by the run seed and the
+        global micro-batch index: the noise stream is unchanged, and the first and the last pipeline
+        stage (which reads no text, but the same latent entries) decide every flip alike.
+        """
+        if not any(b.flipped is not None for b in batch):
+            return batch
+        rng = random.Random(f"flip:{self.seed}:{micro * self.replicas + self.replica}")
+        out = []
+        for b in batch:
+            if rng.random() < FLIP_PROBABILITY and b.flipped is not None:
+                b = replace(b, latent=b.flipped, flipped=b.latent, mask=flip_example_mask(b.mask))
+            out.append(b)
+        return out
+
+    def loss_weight(self, batch: Sequence[Example], x0: torch.Tensor,
+                    family_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The loss weight of ``batch``: the family's mask (``[...]`` of one item) times each item's own
+        loss mask (``[1, h, w]`` on the latent grid, broadcast over channels and frames; items without
+        one weigh 1); None when neither exists (plain MSE, as before masks)."""
+        family = None if family_mask is None else family_mask[None]
+        if all(b.mask is None for b in batch):
+            return family
+        h, w = x0.shape[-2:]
+        ones = torch.ones(1, int(h), int(w))
+        items = torch.stack([(ones if b.mask is None else b.mask.float()).reshape(1, h, w) for b in batch])
+        items = items.reshape(len(batch), 1, *([1] * (x0.ndim - 4)), h, w)
+        return items if family is None else family.float() * items
 
     def sigmas(self, n: int, generator: torch.Generator, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """``n`` sigmas of the run's timestep sampling for latents of ``latent_shape`` (``[C, ...]``)."""
@@ -222,8 +330,8 @@ class MicroBatches:
         ``noise`` at ``sigma``: the one place micro-batches become model inputs, for training and
         validation alike."""
         noisy, timestep, target = noisy_input_and_target(self.model.model_sampling, x0, noise, sigma)
-        mask = self.adapter.loss_mask(tuple(x0.shape[1:]), self.family_options)
-        labels = target.to(self.device) if mask is None else (target.to(self.device), mask[None].to(self.device))
+        mask = self.loss_weight(batch, x0, self.adapter.loss_mask(tuple(x0.shape[1:]), self.family_options))
+        labels = target.to(self.device) if mask is None else (target.to(self.device), mask.to(self.device))
         dtype = self.compute_dtype()
         if batch[0].cond is None:  # a last stage: DeepSpeed reads only the target there
             return (), labels

@@ -19,8 +19,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .captions import CaptionOptions
+from .dataset_masks import option_problems, pair_masks
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -38,6 +41,7 @@ class ImageEntry:
     path: str
     caption: str
     references: tuple[str, ...] = ()  # reference image paths in reference order (the control folder)
+    mask: str = ""  # the loss mask's file (mask folder; dataset_masks.py), "" = none or the image's alpha
 
     @property
     def is_video(self) -> bool:
@@ -92,6 +96,10 @@ class DatasetSpec:
     notes: tuple[str, ...] = field(default=())
     buckets: BucketSettings | None = None
     control_folder: str = ""  # where the entries' reference images came from ("" = none)
+    captions: CaptionOptions = CaptionOptions()  # caption dropout and tag shuffle (training/captions.py)
+    flip: str = "none"  # "random": a mirrored latent is cached per item, used half the time (cache/masks.py)
+    mask: str = "none"  # loss mask: "alpha" (the image's) or "folder" (mask_folder, paired by name)
+    mask_folder: str = ""
 
     @property
     def bucket_settings(self) -> BucketSettings:
@@ -115,6 +123,13 @@ class DatasetSpec:
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
             lines.append(f"{sum(len(e.references) for e in self.entries)} reference images in {self.control_folder} "
                          f"({per} per item)")
+        if self.captions.report():
+            lines.append(self.captions.report())
+        if self.flip != "none":
+            lines.append("horizontal flip: a mirrored latent is cached per item and trained half the time")
+        if self.mask != "none":
+            lines.append(f"loss masks from {self.mask_folder if self.mask == 'folder' else 'the alpha channel'} "
+                         "(white = train, black = ignore)")
         return "\n".join(lines + list(self.notes))
 
 
@@ -202,14 +217,23 @@ def _image_files(folder: Path) -> list[str]:
 
 
 def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error",
-                 buckets: BucketSettings | None = None, control_folder: str | Path | None = None) -> DatasetSpec:
+                 buckets: BucketSettings | None = None, control_folder: str | Path | None = None,
+                 captions: CaptionOptions | None = None, flip: str = "none", mask: str = "none",
+                 mask_folder: str | Path | None = None) -> DatasetSpec:
     """List the images and videos of ``folder`` with their captions, applying the missing-caption policy,
-    and with ``control_folder`` each item's reference images (see :func:`pair_references`)."""
+    and with ``control_folder`` each item's reference images (see :func:`pair_references`); ``captions``:
+    caption dropout and tag shuffle, checked here (every problem in one message); ``flip``, ``mask`` and
+    ``mask_folder``: the cached variants of cache/masks.py (masks paired by :func:`pair_masks`)."""
     folder = Path(folder)
     if missing_caption not in CAPTION_POLICIES:
         raise DatasetError(f"missing_caption must be one of {', '.join(CAPTION_POLICIES)} (got {missing_caption!r}).")
-    if buckets is not None and buckets.problems():
-        raise DatasetError("Bucket settings: " + " ".join(buckets.problems()))
+    captions = captions or CaptionOptions()
+    settings = [f"{what}: {' '.join(problems)}" for what, problems in (
+        ("Bucket settings", buckets.problems() if buckets is not None else []),
+        ("Caption options", captions.problems()),
+        ("Flip and mask", option_problems(flip, mask, str(mask_folder or ""), bool(control_folder)))) if problems]
+    if settings:
+        raise DatasetError("\n".join(settings))
     if not folder.is_dir():
         raise DatasetError(f"Dataset folder {folder} does not exist: create it or fix the path.")
     media = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
@@ -247,8 +271,25 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
     control = ""
     if control_folder:
         entries, control = _with_references(folder, images, entries, Path(control_folder)), str(control_folder)
+    if mask == "folder":
+        entries = _with_masks(folder, images, entries, Path(mask_folder))
     return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty),
-                       buckets=buckets, control_folder=control)
+                       buckets=buckets, control_folder=control, captions=captions, flip=flip, mask=mask,
+                       mask_folder=str(mask_folder) if mask == "folder" else "")
+
+
+def _with_masks(folder: Path, training: list[str], entries: list[ImageEntry], masks: Path) -> list[ImageEntry]:
+    """``entries`` with their mask files, or a :class:`DatasetError` naming every pairing problem."""
+    if not masks.is_dir():
+        raise DatasetError(f"Mask folder {masks} does not exist: create it (masks named like the training files) "
+                           "or set mask to 'none'.")
+    if masks.resolve() == folder.resolve():
+        raise DatasetError(f"The mask folder is the dataset folder ({folder}): put the masks in a folder of their own.")
+    paired, problems = pair_masks(training, _image_files(masks), masks,
+                                  required=[os.path.basename(e.path) for e in entries])
+    if problems:
+        raise DatasetError("\n".join(problems))
+    return [replace(e, mask=paired[os.path.basename(e.path)]) for e in entries]
 
 
 def _with_references(folder: Path, images: list[str], entries: list[ImageEntry], control: Path) -> list[ImageEntry]:

@@ -24,6 +24,7 @@ from .data import MicroBatches, load_examples
 from .events import EventWriter, stop_path
 from .health import check_lora_update, check_loss
 from .lora_file import atomic_save, family_metadata, link_or_copy, stage_lora_tensors, step_lora_name
+from .lora_init import check_init_lora, read_init_file
 from .lora_inject import freeze_all_but_lora, inject_lora
 from .loss import mse_loss
 from .model_source import finish_loading
@@ -34,8 +35,10 @@ from .optimizers import StageOptimizer, build_stage_optimizer, ema_path
 from .partition import describe, log_lines, require_lora_on_every_stage, write_plan
 from .pipelines.base import adapter_for, family_name_for
 from .pipelines.options import parse_family_options
+from .pipelines.targets import run_target_regex
 from .process_util import process_alive
 from .quant.guards import set_float_weights_trainable
+from .regularization import MixedMicroBatches, regularization_seed
 from .resume import (
     apply_changed_hyperparameters,
     check_resume,
@@ -148,7 +151,9 @@ class Trainer:
             dynamic_shape=True,
         )
         set_float_weights_trainable(dm, False)
-        regex = self.adapter.lora_target_regex(spec.lora.targets)
+        regex = run_target_regex(self.adapter, dm, spec.lora)  # the preset within the LoRA Adapter's blocks
+        if spec.lora.init_lora:  # the whole model's targets: a stage sees only its own
+            check_init_lora(read_init_file(spec.lora.init_lora), spec.lora, dm, regex)
         self.boundaries = [int(p) for p in self.module.parts]
         self.plan = describe(layers, self.boundaries, regex)
         require_lora_on_every_stage(self.plan, spec.lora.targets)
@@ -192,6 +197,7 @@ class Trainer:
             replica=self.engine.grid.data_parallel_id, replicas=self.data_parallel,
             family_options=self.family_options,
         )
+        self.feed = self._with_regularization(model, timesteps)  # what the steps draw from
         self.validation = self._validation_batches(model)
         seed_rank_rngs(spec.train.seed, ctx.rank)  # LoRA dropout; a resumed run restores the saved states
         if spec.resume_from:
@@ -228,6 +234,22 @@ class Trainer:
             foreign_bytes=sum(resident_bytes(dm.get_submodule(p)) for p in self.foreign_paths),
         )
         return examples
+
+    def _with_regularization(self, model, timesteps) -> MicroBatches | MixedMicroBatches:
+        """The training micro-batches, with the regularization images mixed in when the run has them
+        (their own stream and seed; examples read on the first and last stage only, like training's)."""
+        reg = self.spec.regularization
+        if not reg.enabled:
+            return self.batches
+        first, last = self.stage_id == 0, self.stage_id == self.spec.train.pipeline_stages - 1
+        examples = []
+        if first or last:
+            examples = load_examples(reg.items, text=first, text_dtype=model.manual_cast_dtype or model.get_dtype())
+        b = self.batches
+        stream = MicroBatches(examples, b.batch_size, regularization_seed(self.spec.train.seed), model, self.adapter,
+                              timesteps, self.ctx.device, replica=b.replica, replicas=b.replicas,
+                              family_options=self.family_options)
+        return MixedMicroBatches(b, stream, reg.ratio, reg.weight)
 
     def _validation_batches(self, model) -> ValidationBatches | None:
         """The held-out micro-batches (examples read on the first and last stage only, like training's)."""
@@ -269,7 +291,7 @@ class Trainer:
         """Run to the last step or until asked to stop; return "finished" or "stopped"."""
         spec, ctx = self.spec, self.ctx
         ga = spec.train.grad_accum
-        data = self.batches.iterate(self.step * ga)
+        data = self.feed.iterate(self.step * ga)
         started = time.monotonic()
         first_step = self.step
         if ctx.rank == 0:

@@ -32,16 +32,20 @@ def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec
     ``target_regex`` is the family's preset over ComfyUI module paths; :mod:`.pipelines.targets`
     decides which Linears it selects (the same rule partitioning and preflight use), and PEFT is
     given exactly those names, with the type's config (training/adapters.py). Initial values are fp32:
-    the type's zero factors are 0, the others Kaiming-uniform (for LoRA: A drawn, B zero).
+    the type's zero factors are 0, the others Kaiming-uniform (for LoRA: A drawn, B zero); with
+    ``spec.init_lora`` they are then the file's values (training/lora_init.py; the draws still happen,
+    so the RNG streams match a fresh run's).
     """
     from peft import inject_adapter_in_model
 
     kind = adapter_kind(spec.adapter)
     count = 0
+    injected = []
     for index, layer in layers:
         names = list(layer_targets(layer, target_regex))
         if not names:
             continue
+        injected.append((index, layer))
         linears = [n for n in names if isinstance(layer.get_submodule(n), nn.Linear)]
         quantized = [n for n in names if n not in linears]
         problem = quant_layer_problem(kind, quantized)
@@ -54,6 +58,10 @@ def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec
                 inject_adapter_in_model(config, layer)
         init_fp32(layer, kind, torch.Generator().manual_seed(seed * 10_007 + index))
         count += len(names)
+    if spec.init_lora:
+        from .lora_init import load_init_values, read_init_file
+
+        load_init_values(injected, read_init_file(spec.init_lora), spec)
     return count
 
 

@@ -68,14 +68,21 @@ def noisy_input_and_target(model_sampling, x0: torch.Tensor, noise: torch.Tensor
 
 
 def mse_loss(prediction: torch.Tensor, target) -> torch.Tensor:
-    """Mean squared error; ``target`` may be ``(target, weight)`` with a weight broadcastable to it.
+    """Mean squared error; ``target`` may be ``(target, weight)`` or ``(target, weight, item_scale)``.
 
-    With a weight (the family's loss mask), the mean is over the weighted elements: weight 0 leaves an
-    element out entirely, so masking a clean conditioning frame does not dilute the loss of the rest.
+    ``weight`` (broadcastable to the target: the family's loss mask times the items' own masks) says
+    which elements count: the mean is over the weighted elements, so weight 0 leaves an element out
+    entirely (masking a clean conditioning frame does not dilute the loss of the rest, and an item
+    whose mask is all zero adds nothing). ``item_scale`` (``[B]``: a regularization dataset's weight,
+    a loss weighting by sigma) multiplies each item's share of that mean without renormalizing, so a
+    scale of 0.5 halves that item's pull on the gradient.
     """
     if isinstance(target, (tuple, list)):
-        target, weight = target
+        target, weight, *scale = target
         squared = (prediction.float() - target.float()).pow(2)
         weight = weight.float().expand_as(squared)
-        return (squared * weight).sum() / weight.sum().clamp_min(1e-12)
+        if not scale:
+            return (squared * weight).sum() / weight.sum().clamp_min(1e-12)
+        per_item = (squared * weight).flatten(1).sum(1) * scale[0].float().view(-1)
+        return per_item.sum() / weight.sum().clamp_min(1e-12)
     return F.mse_loss(prediction.float(), target.float())

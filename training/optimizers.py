@@ -17,6 +17,8 @@
   an exact round trip and a resumed run must continue from the same bits as an uninterrupted one.
 - **EMA** of the trainable weights through ``torch.optim.swa_utils`` (updated after every optimizer
   step), saved as its own LoRA file; its state goes into each checkpoint, one file per rank.
+- **Prodigy on several ranks** estimates one step size from the sums over every rank (each pipeline
+  stage alone would estimate its own): training/prodigy_ranks.py.
 """
 
 from __future__ import annotations
@@ -69,8 +71,26 @@ def _prodigy(groups: list[dict], o: OptimizerSpec) -> torch.optim.Optimizer:
     from prodigyopt import Prodigy
 
     # Its authors advise the safeguard with a warm-up: the step-size estimate then ignores the small rates.
-    return Prodigy(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                   safeguard_warmup=o.warmup_steps > 0)
+    settings = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                    safeguard_warmup=o.warmup_steps > 0)
+    summed = _several_ranks()  # the estimate over every rank's parameters (training/prodigy_ranks.py)
+    if summed:
+        from .prodigy_ranks import RankSummedProdigy
+
+        optimizer = RankSummedProdigy(groups, **settings)
+    else:
+        optimizer = Prodigy(groups, **settings)
+    # A checkpoint from another number of ranks (data_parallel may change on resume) restores its own
+    # flag with the groups: this run's layout decides whether the sums are all-reduced.
+    optimizer.register_load_state_dict_post_hook(
+        lambda opt: [group.__setitem__("fsdp_in_use", summed) for group in opt.param_groups])
+    return optimizer
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _lion(groups: list[dict], o: OptimizerSpec) -> torch.optim.Optimizer:

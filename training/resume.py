@@ -153,6 +153,7 @@ _MAY_CHANGE = (
     "train.seed", "train.batch_size", "train.grad_accum", "train.data_parallel", "train.timesteps.",
     "train.dtype", "train.gradient_checkpointing", "train.checkpoint_interval", "train.max_grad_norm",
     "lora.dropout", "items", "family_options.",
+    "regularization", "regularization.",  # data, like items: the regularization images, weight and share
 )
 # Why a change of these fields makes the checkpoint unusable (checked before _MAY_CHANGE).
 _REFUSED_BECAUSE = {

@@ -38,6 +38,7 @@ SCHEDULES = ("constant", "linear", "cosine", "cosine_with_restarts")
 DECAYING_SCHEDULES = ("linear", "cosine", "cosine_with_restarts")
 TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal")
 TIMESTEP_SHIFTS = ("model", "none", "fixed", "resolution")
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # SD3's per-sigma loss weights (training/loss_weighting.py)
 TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
 ADAPTER_TYPES = ("lora", "lokr", "loha")  # training/adapters.py registers one entry for each
 SAVE_DTYPES = ("bf16", "fp32")  # dtype of the saved adapter file (training keeps fp32 weights)
@@ -91,6 +92,8 @@ class TimestepSpec:
     (``time_snr_shift(shift_value, u)``) or ``resolution`` (shift e^mu, mu linear in the image token
     count from ``base_shift`` at 256 tokens to ``max_shift`` at 4096, like ComfyUI's ModelSamplingFlux).
     Sigmas outside ``[sigma_min, sigma_max]`` are redrawn (e.g. one Wan 2.2 expert's range).
+    ``loss_weighting`` scales each item's loss by a function of its sigma (flow models only; ``none``:
+    every sigma counts alike, as before the option existed).
     """
 
     distribution: str = "uniform"
@@ -102,9 +105,12 @@ class TimestepSpec:
     max_shift: float = 1.15
     sigma_min: float = 0.0
     sigma_max: float = 1.0
+    loss_weighting: str = "none"
 
     def problems(self) -> list[str]:
         out = []
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            out.append(f"Loss weighting {self.loss_weighting!r} is not one of {', '.join(LOSS_WEIGHTINGS)}.")
         if self.distribution not in TIMESTEP_DISTRIBUTIONS:
             out.append(f"Timestep distribution {self.distribution!r} is not one of {', '.join(TIMESTEP_DISTRIBUTIONS)}.")
         if self.shift not in TIMESTEP_SHIFTS:
@@ -128,6 +134,11 @@ class CacheItem:
     With keys set, ``latent_file``/``text_file`` are the cache's index file and the keys name the
     entries in it (see training/cache); without keys they are plain safetensors files. Items of one
     ``bucket`` share tensor shapes, so a micro-batch draws from one bucket.
+
+    Caption options (training/captions.py): ``text_variants`` are the keys of the caption's cached
+    tag-shuffled variants (``text_key`` is the first; empty: ``text_key`` only), one drawn per
+    micro-batch; with probability ``caption_dropout`` the item trains on ``empty_text_key`` (the
+    empty caption's entry) instead.
     """
 
     latent_file: str
@@ -137,6 +148,25 @@ class CacheItem:
     latent_key: str = ""
     text_key: str = ""
     bucket: str = ""
+    text_variants: tuple[str, ...] = ()
+    empty_text_key: str = ""
+    caption_dropout: float = 0.0
+
+    def __post_init__(self) -> None:  # from JSON: a list; items are hashed (dict keys, sets)
+        object.__setattr__(self, "text_variants", tuple(self.text_variants))
+
+    def caption_problems(self) -> list[str]:
+        """What is wrong with the item's caption options, phrased as the fix."""
+        out = []
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            out.append(f"caption_dropout is a probability in [0, 1] (got {self.caption_dropout}): fix it on the "
+                       "Dataset node.")
+        elif self.caption_dropout > 0 and not self.empty_text_key:
+            out.append(f"caption_dropout {self.caption_dropout:g} needs the empty caption's cached embedding, "
+                       "which this cache lacks: run the Cache node again.")
+        if self.text_variants and self.text_variants[0] != self.text_key:
+            out.append("A cached item's first tag-shuffle variant is not its text entry: run the Cache node again.")
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,7 +174,9 @@ class LoraSpec:
     """The adapter. ``adapter`` is its type (training/adapters.py); ``factor`` is LoKr's Kronecker
     factor (-1: near the square root of each dimension). ``save_dtype`` is the file's dtype: the
     LoRA Adapter node defaults to bf16 (what other trainers save); a spec without it (written before
-    the choice existed) saves fp32, as those runs did."""
+    the choice existed) saves fp32, as those runs did. ``blocks`` limits the targets to some transformer
+    blocks (training/block_range.py; empty: all). ``init_lora`` is a LoRA file (absolute path) training
+    starts from, ``init_lora_digest`` its content hash (training/lora_init.py); empty: fresh adapters."""
 
     rank: int = 16
     alpha: float = 16.0
@@ -153,6 +185,9 @@ class LoraSpec:
     adapter: str = "lora"
     factor: int = -1
     save_dtype: str = "fp32"
+    blocks: str = ""
+    init_lora: str = ""
+    init_lora_digest: str = ""
 
     def problems(self) -> list[str]:
         out = []
@@ -167,6 +202,13 @@ class LoraSpec:
         if self.adapter != "lora" and self.dropout > 0:
             out.append(f"dropout ({self.dropout:g}) is LoRA's input dropout; adapter type {self.adapter} has "
                        "none here: set dropout to 0.")
+        from .block_range import blocks_problems
+
+        out += blocks_problems(self.blocks)
+        if self.init_lora and not Path(self.init_lora).is_absolute():
+            out.append(f"init_lora must be an absolute path (got {self.init_lora!r}).")
+        if self.init_lora and not self.init_lora_digest:
+            out.append(f"init_lora {self.init_lora!r} has no content digest: the LoRA Adapter node records it.")
         return out
 
 
@@ -289,6 +331,36 @@ class ValidationSpec:
 
 
 @dataclass(frozen=True)
+class RegularizationSpec:
+    """Regularization (prior) images: a second cache mixed into training by whole micro-batches.
+
+    Micro-batch ``i`` of each replica is a regularization one when ``floor((i + 1) * ratio)`` exceeds
+    ``floor(i * ratio)`` (training/regularization.py), so any ``N`` consecutive micro-batches hold
+    ``floor(N * ratio)`` or one more of them; their loss is scaled by ``weight``. No items: off.
+    """
+
+    items: tuple[CacheItem, ...] = ()
+    weight: float = 1.0
+    ratio: float = 0.5
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.items)
+
+    def problems(self) -> list[str]:
+        if not self.enabled:
+            return []
+        out = []
+        if not 0.0 < self.ratio < 1.0:
+            out.append(f"Regularization ratio is the share of micro-batches drawn from the regularization images, "
+                       f"above 0 and below 1 (got {self.ratio}): 0.5 alternates them with the training images.")
+        if not 0.0 <= self.weight <= 100.0:
+            out.append(f"Regularization weight scales their loss and must be in [0, 100] (got {self.weight}); "
+                       "1.0 weighs them like training images.")
+        return out
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """One training run. Paths are absolute and resolved by the node layer."""
 
@@ -315,6 +387,8 @@ class RunSpec:
     launch: LaunchSettings = LaunchSettings()
     # The held-out set and how often it is evaluated; not in training_hash (it never changes the weights).
     validation: ValidationSpec = ValidationSpec()
+    # Regularization images mixed in by micro-batch; in training_hash only when on.
+    regularization: RegularizationSpec = RegularizationSpec()
 
     # ---- validation -------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -328,6 +402,7 @@ class RunSpec:
             out.append(f"weight_dtype {self.model.weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}.")
         if not self.items:
             out.append("The cache has no items: add captioned images to the dataset folder.")
+        out += list(dict.fromkeys(p for item in self.items for p in item.caption_problems()))
         if lo.rank < 1:
             out.append(f"LoRA rank must be at least 1 (got {lo.rank}).")
         if lo.alpha <= 0:
@@ -382,6 +457,7 @@ class RunSpec:
             out.append(f"Spec version {self.version} is not supported (expected {SPEC_VERSION}).")
         out += self.launch.problems(self.device, self.world_size)
         out += self.validation.problems()
+        out += self.regularization.problems()
         return out
 
     def validated(self) -> RunSpec:
@@ -422,6 +498,9 @@ class RunSpec:
         validation = dict(d.pop("validation", {}))
         validation["items"] = tuple(CacheItem(**i) for i in validation.get("items", ()))
         d["validation"] = ValidationSpec(**validation)
+        regularization = dict(d.pop("regularization", {}))
+        regularization["items"] = tuple(CacheItem(**i) for i in regularization.get("items", ()))
+        d["regularization"] = RegularizationSpec(**regularization)
         return cls(
             model=ModelRecipe(**model),
             items=tuple(CacheItem(**i) for i in d.pop("items")),
@@ -445,24 +524,41 @@ class RunSpec:
         Two runs with the same training hash can continue each other's checkpoints.
         """
         d = self.to_dict()
+        # blocks_to_swap moves weights, never changes them: runs with and without it continue each other.
+        train = {k: v for k, v in d["train"].items() if k not in ("steps", "save_every", "blocks_to_swap")}
+        if train["timesteps"]["loss_weighting"] == "none":  # as before the option existed: old hashes hold
+            train["timesteps"] = {k: v for k, v in train["timesteps"].items() if k != "loss_weighting"}
         keep = {
             "model": {**{k: d["model"][k] for k in ("loader", "weight_dtype", "fingerprint", "sampling")},
                       "loras": [(Path(p).name, s) for p, s in d["model"]["loras"]]},
             "family_options": d["family_options"],
             "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
-                       i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in d["items"]],
+                       i["text_key"] or i["text_file"].rsplit("/", 1)[-1], *_caption_options(i)) for i in d["items"]],
             "lora": _hashed_lora(d["lora"]),
             "optimizer": d["optimizer"],
-            # blocks_to_swap moves weights, never changes them: runs with and without it continue each other.
-            "train": {k: v for k, v in d["train"].items() if k not in ("steps", "save_every", "blocks_to_swap")},
+            "train": train,
         }
+        if self.regularization.enabled:  # left out when off, so runs without it keep their hashes
+            reg = d["regularization"]
+            keep["regularization"] = {
+                "items": [(i["latent_key"] or i["latent_file"].rsplit("/", 1)[-1],
+                           i["text_key"] or i["text_file"].rsplit("/", 1)[-1]) for i in reg["items"]],
+                "weight": reg["weight"], "ratio": reg["ratio"]}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # LoraSpec fields added after runs were already saved: at these values they are left out of the
 # training hash, so a checkpoint of an older run (which trained exactly that) still continues.
-_LORA_FIELDS_HASHED_WHEN_CHANGED = {"adapter": "lora", "factor": -1}
-_LORA_FIELDS_NOT_HASHED = ("save_dtype",)  # the file's dtype, not the trained weights
+_LORA_FIELDS_HASHED_WHEN_CHANGED = {"adapter": "lora", "factor": -1, "blocks": "", "init_lora_digest": ""}
+# The file's dtype is not the trained weights; an init LoRA counts by its content digest, not its path.
+_LORA_FIELDS_NOT_HASHED = ("save_dtype", "init_lora")
+
+
+def _caption_options(item: dict[str, Any]) -> tuple:
+    """An item's caption options for the training hash; none when off, so older runs keep their hash."""
+    if not (item.get("text_variants") or item.get("caption_dropout")):
+        return ()
+    return (list(item.get("text_variants") or ()), item.get("empty_text_key", ""), item.get("caption_dropout", 0.0))
 
 
 def _hashed_lora(lora: dict[str, Any]) -> dict[str, Any]:

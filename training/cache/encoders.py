@@ -38,7 +38,9 @@ class Encoders(Protocol):
     """The two encoders a cache needs. ``latent`` takes ``[F, H, W, 3]`` pixels in [0, 1].
 
     An identity is an opaque string, or named parts (a dict of JSON values): with named parts a
-    re-encode names the part that changed (e.g. the clip-skip layer).
+    re-encode names the part that changed (e.g. the clip-skip layer). Caching captions with their
+    reference images in the prompt (reference_prompt.py) also needs ``encode_text_with_references``,
+    which :class:`ComfyEncoders` has.
     """
 
     def latent_identity(self) -> str: ...
@@ -272,11 +274,22 @@ class ComfyEncoders:
         tokens = self.clip.tokenize(caption)
         # As CLIPTextEncode encodes: the dict form also carries the attention mask where the encoder gives one.
         encoded = self.clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
-        cond, pooled = encoded["cond"], encoded.get("pooled_output")
-        out = {"cond": cond[0].to(torch.float32).cpu().contiguous()}
-        if pooled is not None:
-            out["pooled"] = pooled[0].to(torch.float32).cpu().contiguous()
-        mask = encoded.get(TEXT_ATTENTION_MASK)
-        if mask is not None:
-            out[TEXT_ATTENTION_MASK] = mask[0].cpu().contiguous()
-        return out
+        return _text_tensors(encoded["cond"], encoded)
+
+    def encode_text_with_references(self, caption: str, images: list[torch.Tensor], style) -> dict[str, torch.Tensor]:
+        """``caption`` with its reference ``images`` in the prompt, as ComfyUI's node of ``style``
+        (a reference_prompt.PromptStyle) conditions on them."""
+        ((cond, extras), *_) = style.conditioning(self.clip, caption, images)
+        return _text_tensors(cond, extras)
+
+
+def _text_tensors(cond: torch.Tensor, extras: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The cached tensors of one encoded caption: ``cond``, and ``pooled`` and the attention mask where given."""
+    out = {"cond": cond[0].to(torch.float32).cpu().contiguous()}
+    pooled = extras.get("pooled_output")
+    if pooled is not None:
+        out["pooled"] = pooled[0].to(torch.float32).cpu().contiguous()
+    mask = extras.get(TEXT_ATTENTION_MASK)
+    if mask is not None:
+        out[TEXT_ATTENTION_MASK] = mask[0].cpu().contiguous()
+    return out

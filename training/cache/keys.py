@@ -18,6 +18,17 @@ An image-to-video item's start-image conditioning (the Cache node's ``start_imag
 start_image.py: the mode, gray value, CLIP crop and the CLIP-vision model's identity) joins the latent
 key only when it is cached, so caches made without it keep their keys.
 
+A caption encoded together with its item's reference images (the Cache node's ``reference_in_prompt``,
+reference_prompt.py: Qwen-Image-Edit's text encoder reads them) has the style's identity and the
+references' content digests in its text key; a caption encoded alone keeps the key it always had.
+
+An item's cached variants (masks.py: the horizontally flipped latent, the loss mask with its mask
+file's content digest) join the latent key the same way: only when the Dataset node turns them on.
+
+A caption's tag-shuffle variants and the empty caption (caption dropout; training/captions.py) are
+text entries keyed like any caption, by their own text: no option joins the text key, so turning the
+options off finds the entries the caption had before.
+
 Each kind has its own format version, so a change to the text key (version 4 added clip-skip,
 tokenizer options and patches) re-encodes captions only, never the far costlier latents.
 """
@@ -40,9 +51,12 @@ _CHANGE_NAMES = {
     "scaling": "latent scaling changed",
     "references": "reference images changed",
     "start_image": "start-image conditioning changed",
+    "flip": "flip variant changed",
+    "mask": "loss mask changed",
     "caption": "caption changed",
     "encoder": "text encoder changed",
     "stored": "stored text dtype changed",
+    "prompt": "reference-in-prompt changed",
 }
 _LONG_VALUE = 24  # digests are named, not printed
 
@@ -56,26 +70,40 @@ def _canonical_json(value: object) -> str:
 
 
 def latent_components(source_digest: str, preprocessing: dict, vae_identity: str,
-                      references: tuple[str, ...] = (), start_image: dict | None = None) -> dict:
+                      references: tuple[str, ...] = (), start_image: dict | None = None,
+                      variants: dict | None = None) -> dict:
     """Everything a latent depends on, by name (kept beside the key to explain re-encodes).
     ``references``: content digests of the item's reference images, in order (absent without any);
-    ``start_image``: the start-image conditioning's identity (absent without one)."""
+    ``start_image``: the start-image conditioning's identity (absent without one);
+    ``variants``: ``masks.latent_variants`` (``flip``, ``mask``; absent when off)."""
     out = {"kind": "latent", "v": LATENT_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
            "vae": vae_identity, "scaling": LATENT_SCALING}
     if references:
         out["references"] = list(references)
     if start_image:
         out["start_image"] = start_image
+    out.update(variants or {})
     return out
 
 
-def text_components(caption: str, encoder_identity: str | dict, stored: str = _LEGACY_TEXT_STORE) -> dict:
+def text_components(caption: str, encoder_identity: str | dict, stored: str = _LEGACY_TEXT_STORE,
+                    prompt: dict | None = None, references: tuple[str, ...] = ()) -> dict:
     """Everything a text embedding depends on; ``stored`` (its storage dtype) is named only when it is
-    not fp32, mirroring :func:`text_key`."""
+    not fp32, mirroring :func:`text_key`. ``prompt`` (a reference_prompt.PromptStyle identity) and the
+    content digests of the ``references`` encoded with the caption are named only when the caption was
+    encoded with its item's reference images."""
     out = {"kind": "text", "v": TEXT_FORMAT_VERSION, "caption": caption, "encoder": encoder_identity}
     if stored != _LEGACY_TEXT_STORE:
         out["stored"] = stored
+    if prompt:
+        out["prompt"] = prompt
+        out["references"] = list(references)
     return out
+
+
+def prompt_signature(prompt: dict | None) -> str:
+    """Canonical text of a reference-in-prompt style's identity ("" when captions are encoded alone)."""
+    return _canonical_json(prompt) if prompt else ""
 
 
 def prep_signature(preprocessing: dict) -> str:
@@ -88,8 +116,13 @@ def start_image_signature(start_image: dict | None) -> str:
     return _canonical_json(start_image) if start_image else ""
 
 
+def variants_signature(variants: dict | None) -> str:
+    """Canonical text of an item's ``masks.latent_variants`` ("" with none: the key stays as before)."""
+    return _canonical_json(variants) if variants else ""
+
+
 def latent_key(source_digest: str, prep_sig: str, vae_identity: str, references: tuple[str, ...] = (),
-               start_image_sig: str = "") -> str:
+               start_image_sig: str = "", variants_sig: str = "") -> str:
     """The key of :func:`latent_components` (fields joined in a fixed order: revalidating 10,000 items
     must not spend its budget on JSON). Without references or a start image (``start_image_sig`` from
     :func:`start_image_signature`) the key is what it was before they existed, so caches of plain
@@ -99,6 +132,8 @@ def latent_key(source_digest: str, prep_sig: str, vae_identity: str, references:
         fields += ("references", *references)
     if start_image_sig:
         fields += ("start_image", start_image_sig)
+    if variants_sig:
+        fields += ("variants", variants_sig)
     return _hash("\x1f".join(fields))
 
 
@@ -107,14 +142,17 @@ def encoder_signature(encoder_identity: str | dict) -> str:
     return _canonical_json(encoder_identity)
 
 
-def text_key(caption: str, encoder_sig: str, stored: str = _LEGACY_TEXT_STORE) -> str:
-    """The key of :func:`text_components` (``encoder_sig`` from :func:`encoder_signature`); the caption
-    comes last, so no caption can mimic another field. An fp32 store keeps the key it had before the
-    storage dtype was a choice."""
+def text_key(caption: str, encoder_sig: str, stored: str = _LEGACY_TEXT_STORE, prompt_sig: str = "",
+             references: tuple[str, ...] = ()) -> str:
+    """The key of :func:`text_components` (``encoder_sig`` from :func:`encoder_signature`, ``prompt_sig``
+    from :func:`prompt_signature`); the caption comes last, so no caption can mimic another field. An fp32
+    store keeps the key it had before the storage dtype was a choice, and a caption encoded alone the key
+    it had before reference images could join the prompt."""
     if stored not in TEXT_STORE_DTYPES:
         raise ValueError(f"Text embeddings can be stored as {', '.join(TEXT_STORE_DTYPES)}, not {stored!r}.")
     store = () if stored == _LEGACY_TEXT_STORE else (f"stored={stored}",)
-    return _hash("\x1f".join(("text", str(TEXT_FORMAT_VERSION), encoder_sig, *store, caption)))
+    prompt = ("prompt", prompt_sig, *references) if prompt_sig else ()
+    return _hash("\x1f".join(("text", str(TEXT_FORMAT_VERSION), encoder_sig, *store, *prompt, caption)))
 
 
 def _show(value: object) -> str:
@@ -141,6 +179,13 @@ def _reference_changes(old: list, new: list) -> str:
     return ", ".join(f"reference {i}" for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
 
 
+def _variant_name(value: object) -> str:
+    """``none``, ``horizontal``, ``folder``: how a flip or mask component is named in a reason."""
+    if isinstance(value, dict):
+        return str(value.get("mode", "changed"))
+    return "none" if value is None else str(value)
+
+
 def change_reason(old: dict, new: dict) -> str:
     """Why ``new`` needs an encode where ``old`` was cached, e.g. ``caption changed``."""
     if old.get("v") != new.get("v"):  # the other differences follow from the new format
@@ -156,7 +201,11 @@ def change_reason(old: dict, new: dict) -> str:
             text = f"{text} ({_reference_changes(a or [], b or [])})"
         elif name == "start_image":
             text = f"{text} ({(a or {}).get('mode', 'none')} -> {(b or {}).get('mode', 'none')})"
+        elif name in ("flip", "mask"):
+            text = f"{text} ({_variant_name(a)} -> {_variant_name(b)})"
         elif name == "encoder":
             text = f"{text} (weights or dtype)"
+        elif name == "prompt":
+            text = f"{text} ({(a or {}).get('style', 'off')} -> {(b or {}).get('style', 'off')})"
         parts.append(text)
     return "; ".join(parts) or "entry missing from the cache"

@@ -50,9 +50,15 @@ def probe_video(path: str) -> Probe:
     return Probe(width, height, duration)
 
 
-def _fit(img: Image.Image, bucket: Bucket) -> np.ndarray:
-    img = ImageOps.fit(img.convert("RGB"), (bucket.width, bucket.height), method=Image.Resampling.LANCZOS)
+def fit_pixels(img: Image.Image, bucket: Bucket, mode: str = "RGB") -> np.ndarray:
+    """``img`` in ``mode`` resized to cover the bucket and center-cropped, floats in [0, 1]: the one fit
+    every item, reference and loss mask (masks.py) goes through, so a mask lines up with its image."""
+    img = ImageOps.fit(img.convert(mode), (bucket.width, bucket.height), method=Image.Resampling.LANCZOS)
     return np.asarray(img, dtype=np.float32) / 255.0
+
+
+def _fit(img: Image.Image, bucket: Bucket) -> np.ndarray:
+    return fit_pixels(img, bucket)
 
 
 def load_image(path: str, bucket: Bucket) -> torch.Tensor:

@@ -15,6 +15,18 @@ reference re-encodes exactly its item (target and references, one entry).
 
 Image-to-video items (the Cache node's ``start_image``, see start_image.py) get their start-image
 conditioning (``concat_latent``, and ``clip_fea`` with a CLIP-vision model) in the same latent entry.
+The Dataset node's flip and mask options add the item's variants (masks.py: the flipped latent, the
+loss mask) to the same entry; a mask file is read and digested like a reference image.
+
+Caption options (the Dataset node's, training/captions.py): each tag-shuffle variant of a caption is
+a text entry of its own, keyed by its text like any caption (the first is the item's ``text_key``),
+and with caption dropout the empty caption is encoded once, as ``CLIPTextEncode`` encodes ``""``.
+With the options off the plan is what it was, so the keys are too.
+
+The Cache node's ``reference_in_prompt`` (reference_prompt.py) encodes each caption of an item with
+references together with its reference images, as the edit model's ComfyUI text-encode node does; the
+style and the references' digests then join the text key, so a changed reference re-encodes its item's
+text as well as its latent.
 """
 
 from __future__ import annotations
@@ -41,12 +53,16 @@ from .keys import (
     latent_components,
     latent_key,
     prep_signature,
+    prompt_signature,
     start_image_signature,
     text_components,
     text_key,
+    variants_signature,
 )
+from .masks import encode_variants, latent_variants, mask_size_problem
 from .media import Probe, load_image, load_video, probe_image, probe_video
 from .prep_extras import extras_signature, item_crop, make_extras
+from .reference_prompt import PromptStyle, load_reference
 from .shards import ShardWriter, checksum, pack
 from .start_image import StartImage
 
@@ -111,6 +127,20 @@ class _Planned:
     latent_key: str
     text_key: str
     references: tuple[str, ...] = ()  # content digests of the entry's reference images
+    texts: tuple[tuple[str, str], ...] = ()  # (key, text) of each tag-shuffle variant, text_key's first
+    variant: int = 0  # which variant this plan encodes (its text slot); -1: the empty caption
+    variants_sig: str = ""  # keys.variants_signature of its flip and mask latents (masks.py; "" = none)
+
+    @property
+    def text(self) -> str:
+        """What this plan's text entry encodes."""
+        return self.texts[0][1] if self.texts else self.entry.caption
+
+    def text_plans(self) -> list[_Planned]:
+        """One plan per text entry of the item (its tag-shuffle variants), each encoding its own text."""
+        if len(self.texts) < 2:
+            return [self]
+        return [dataclasses.replace(self, text_key=k, texts=((k, t),), variant=i) for i, (k, t) in enumerate(self.texts)]
 
     @property
     def bucket_name(self) -> str:
@@ -120,20 +150,24 @@ class _Planned:
 
 
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
-                text_dtype: str = "fp32", start_image: StartImage | None = None) -> CacheResult:
+                text_dtype: str = "fp32", start_image: StartImage | None = None,
+                reference_prompt: PromptStyle | None = None) -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
-    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image)
+    return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image,
+                      reference_prompt)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
                progress: Progress | None = None, text_dtype: str = "fp32",
-               start_image: StartImage | None = None) -> CacheResult:
+               start_image: StartImage | None = None, reference_prompt: PromptStyle | None = None) -> CacheResult:
     """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
 
     ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype.
-    ``start_image``: image-to-video start-image conditioning to cache with each latent (none by default)."""
+    ``start_image``: image-to-video start-image conditioning to cache with each latent (none by default).
+    ``reference_prompt``: encode each caption of an item with references together with its reference
+    images, in that style (reference_prompt.py; ``None``: captions alone)."""
     start = time.monotonic()
-    filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image)
+    filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image, reference_prompt)
     try:
         result = filler.run()
     finally:
@@ -152,8 +186,11 @@ def _file_digest(path: str) -> str:
 
 class _Filler:
     def __init__(self, root: Path, dataset: DatasetSpec, encoders: Encoders, progress: Progress | None,
-                 text_dtype: str = "fp32", start_image: StartImage | None = None):
+                 text_dtype: str = "fp32", start_image: StartImage | None = None,
+                 reference_prompt: PromptStyle | None = None):
         self.root = root
+        self.reference_prompt = reference_prompt
+        self.prompt_sig = prompt_signature(reference_prompt.identity() if reference_prompt else None)
         self.start_image = start_image or StartImage()
         self.text_dtype = text_dtype
         self.dataset = dataset
@@ -225,10 +262,31 @@ class _Filler:
         self.index.put_source(entry.path, Source.of(st, digest, json.dumps(dataclasses.astuple(probe))))
         return digest, probe
 
+    def variants_of(self, entry: ImageEntry, probe: Probe, known: dict[str, Source]) -> str:
+        """The item's flip and mask variants as keyed (masks.py), or an error naming its mask's problem."""
+        d, digest = self.dataset, ""
+        if d.mask == "folder":
+            try:
+                digest, mask_probe = self.source(ImageEntry(entry.mask, ""), known)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller as this item's skip reason
+                raise ValueError(f"cannot read its mask {os.path.basename(entry.mask)} "
+                                 f"({type(exc).__name__}: {exc})") from exc
+            problem = mask_size_problem((probe.width, probe.height), (mask_probe.width, mask_probe.height))
+            if problem:
+                raise ValueError(problem)
+        return variants_signature(latent_variants(d.flip, d.mask, digest))
+
     def plan(self) -> list[_Planned]:
         s = self.settings
+        if self.dataset.flip != "none" and self.start_image.identity():
+            raise ValueError("flip cannot be combined with start-image conditioning (the start image would need "
+                             "the same mirror): set the Dataset's flip to 'none' or the Cache's start_image off.")
         plan = plan_buckets(s)
         self.report.notes.extend(plan.notes)
+        if self.reference_prompt is not None:
+            self.report.notes.append(f"captions of items with references are encoded with their reference images in "
+                                     f"the prompt, as ComfyUI's {self.reference_prompt.node} does "
+                                     f"(reference_in_prompt {self.reference_prompt.name})")
         vae_id, text_sig = self.encoders.latent_identity(), encoder_signature(self.encoders.text_identity())
         start_sig = start_image_signature(self.start_image.identity())
         known = self.index.sources()
@@ -249,7 +307,15 @@ class _Filler:
                 self.report.skipped.append(f"{name}: {exc}")
                 continue
             ref_digests = tuple(d for d, _ in refs)
-            tkey = text_key(entry.caption, text_sig, self.text_dtype)
+            try:
+                variants_sig = self.variants_of(entry, probe, known)
+            except ValueError as exc:
+                self.report.skipped.append(f"{name}: {exc}")
+                continue
+            variants = self.dataset.captions.variants(entry.caption)  # (caption,) with tag shuffle off
+            prompted = (self.prompt_sig, ref_digests) if self.prompt_sig and ref_digests else ()
+            texts = tuple((text_key(t, text_sig, self.text_dtype, *prompted), t) for t in variants)
+            tkey = texts[0][0]
             video = entry.is_video
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
@@ -272,16 +338,40 @@ class _Filler:
                         prep["extras"] = extras_signature(self.prep_extras)
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
-                out.append(_Planned(entry, i, bucket, digest, prep, latent_key(digest, sig, vae_id, ref_digests, start_sig), tkey,
-                                    ref_digests))
+                out.append(_Planned(entry, i, bucket, digest, prep,
+                                    latent_key(digest, sig, vae_id, ref_digests, start_sig, variants_sig), tkey,
+                                    ref_digests, texts, variants_sig=variants_sig))
+        return out
+
+    def empty_caption_plans(self, planned: list[_Planned]) -> list[_Planned | None]:
+        """With caption dropout, the plan of each item's empty-caption entry (None without dropout).
+
+        Items whose captions are encoded alone share one entry, ``""`` as ``CLIPTextEncode`` encodes it.
+        An item whose captions carry its reference images in the prompt (``reference_in_prompt``) gets
+        ``""`` with those images, as the edit model's text-encode node builds its unconditioned input: an
+        edit model never sees its prompt without the images, dropped caption or not."""
+        if not (self.dataset.captions.dropout > 0 and planned):
+            return [None] * len(planned)
+        text_sig = encoder_signature(self.encoders.text_identity())
+        key = text_key("", text_sig, self.text_dtype)
+        shared = dataclasses.replace(planned[0], entry=ImageEntry(os.path.join(self.dataset.folder, "(empty caption)"), ""),
+                                     text_key=key, texts=((key, ""),), variant=-1, references=())
+        out: list[_Planned | None] = []
+        for p in planned:
+            if self.prompt_sig and p.references:
+                own = text_key("", text_sig, self.text_dtype, self.prompt_sig, p.references)
+                out.append(dataclasses.replace(p, text_key=own, texts=((own, ""),), variant=-1))
+            else:
+                out.append(shared)
         return out
 
     def components(self, p: _Planned, kind: str) -> dict:
         """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
         if kind == "latent":
             return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references,
-                                     self.start_image.identity())
-        return text_components(p.entry.caption, self.encoders.text_identity(), self.text_dtype)
+                                     self.start_image.identity(), json.loads(p.variants_sig or "{}"))
+        prompted = (self.reference_prompt.identity(), p.references) if self.prompt_sig and p.references else ()
+        return text_components(p.text, self.encoders.text_identity(), self.text_dtype, *prompted)
 
     # ---- phase 3: encode --------------------------------------------------------------------
     def _encode(self, key: str, kind: str, planned: _Planned) -> None:
@@ -292,16 +382,25 @@ class _Filler:
             else:
                 pixels = load_image(planned.entry.path, b)
             tensors = {"latent": self.encoders.encode_latent(pixels)}
+            tensors.update(encode_variants(pixels, tensors["latent"], self.dataset.flip, self.dataset.mask,
+                                           planned.entry.path, planned.entry.mask, b, self.encoders.encode_latent))
             tensors.update(self._encode_references(planned))
             tensors.update(self._prep_extras_of(planned))
             tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
         else:
-            tensors = stored_text(self.encoders.encode_text(planned.entry.caption), self.text_dtype)
+            tensors = stored_text(self._encode_caption(planned), self.text_dtype)
         data = pack(tensors)
         shard, offset = self.writer.append(data)
         st = os.stat(self.root / "shards" / shard)
         shapes = json.dumps({k: list(v.shape) for k, v in tensors.items()})
         self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
+
+    def _encode_caption(self, planned: _Planned) -> dict[str, object]:
+        """The plan's text alone, or with its item's reference images in the prompt (reference_prompt.py)."""
+        if not (self.prompt_sig and planned.references):
+            return self.encoders.encode_text(planned.text)
+        images = [load_reference(path) for path in planned.entry.references]
+        return self.encoders.encode_text_with_references(planned.text, images, self.reference_prompt)
 
     def _encode_references(self, planned: _Planned) -> dict[str, object]:
         """Each reference resized to cover the item's bucket (one frame), encoded like an image item."""
@@ -388,42 +487,54 @@ class _Filler:
         planned = self.plan()
         slots = self.index.slots()
         deferred: dict[str, tuple[str, _Planned]] = {}
-        for n, p in enumerate(planned):
+        empties = self.empty_caption_plans(planned)
+        for n, (p, empty) in enumerate(zip(planned, empties, strict=True)):
+            if empty is not None:
+                self.ensure(empty.text_key, "text", empty, entries, slots, deferred)
             self.ensure(p.latent_key, "latent", p, entries, slots, deferred)
-            self.ensure(p.text_key, "text", p, entries, slots, deferred)
+            for tp in p.text_plans():
+                self.ensure(tp.text_key, "text", tp, entries, slots, deferred)
             if self.progress:
                 self.progress(n + 1, len(planned))
         self.wait_for_others(deferred, entries, slots)
-        return self.collect(planned, entries, slots)
+        return self.collect(planned, entries, slots, [e.text_key if e is not None else "" for e in empties])
 
     def collect(self, planned: list[_Planned], entries: dict[str, str],
-                slots: dict[str, tuple[str, str]]) -> CacheResult:
+                slots: dict[str, tuple[str, str]], empty_keys: list[str] | None = None) -> CacheResult:
         items: list[CacheItem] = []
         changed_slots = []
         shapes = (0, 0, 0)
         index_file = str(self.index.path)
         skipped_files = set()
-        for p in planned:
+        for p, empty_key in zip(planned, empty_keys or [""] * len(planned), strict=True):
             lkey, tkey = p.latent_key, p.text_key
-            why = self.failed.get(lkey) or self.failed.get(tkey)
-            if why or lkey not in entries or tkey not in entries:
+            keys = (lkey, *(k for k, _ in p.texts[1:]), *((empty_key,) if empty_key else ()))
+            why = self.failed.get(lkey) or self.failed.get(tkey) or next(
+                (f"{self.failed[k]} (a caption variant or the empty caption)" for k in keys if k in self.failed), None)
+            if why or tkey not in entries or any(k not in entries for k in keys):
                 if p.entry.path not in skipped_files:
                     skipped_files.add(p.entry.path)
                     self.report.skipped.append(f"{Path(p.entry.path).name}: {why or 'not cached'}")
                 continue
-            for kind, key in (("latent", lkey), ("text", tkey)):
-                if slots.get(_slot(p, kind), ("",))[0] != key:
-                    changed_slots.append((_slot(p, kind), key, self.components(p, kind)))
+            for kind, plan in (("latent", p), *(("text", tp) for tp in p.text_plans())):
+                key = plan.latent_key if kind == "latent" else plan.text_key
+                if slots.get(_slot(plan, kind), ("",))[0] != key:
+                    changed_slots.append((_slot(plan, kind), key, self.components(plan, kind)))
             if not shapes[0]:
                 lat, txt = json.loads(self.index.entry(lkey).shapes), json.loads(self.index.entry(tkey).shapes)
                 shapes = (lat["latent"][0], txt["cond"][-1], txt["pooled"][-1] if "pooled" in txt else 0)
             self.report.buckets[p.bucket_name] += 1
             item = CacheItem(index_file, index_file, p.entry.path, p.entry.caption,
-                             latent_key=lkey, text_key=tkey, bucket=p.bucket_name)
+                             latent_key=lkey, text_key=tkey, bucket=p.bucket_name,
+                             text_variants=tuple(k for k, _ in p.texts) if len(p.texts) > 1 else (),
+                             empty_text_key=empty_key, caption_dropout=self.dataset.captions.dropout)
             items.extend([item] * self.dataset.repeats)
         self.index.put_slots(changed_slots)
         return CacheResult(tuple(items), self.report, *shapes)
 
 
 def _slot(p: _Planned, kind: str) -> str:
-    return f"{p.entry.path}#{kind}{p.slot if kind == 'latent' else ''}"
+    """Where a kind of an item's entry is recorded (its last key); a tag-shuffle variant k > 0 has its own."""
+    if kind == "latent":
+        return f"{p.entry.path}#latent{p.slot}"
+    return f"{p.entry.path}#text" + (f"~{p.variant}" if p.variant else "")

@@ -301,6 +301,10 @@ def timestep_problems(timesteps: TimestepSpec, prediction: str, family: str,
         out.append(f"Timestep Sampling: sigma_min {timesteps.sigma_min} / sigma_max {timesteps.sigma_max} are "
                    f"flow-matching noise levels (0 to 1), but this {family} model is {kind} with {schedule}: set "
                    "sigma_min to 0 and sigma_max to 1 on the Timestep Sampling node (or disconnect it).")
+    if timesteps.loss_weighting != "none":  # SD3's weights are functions of the flow noise share
+        out.append(f"Timestep Sampling: loss_weighting '{timesteps.loss_weighting}' weighs flow-matching noise "
+                   f"levels (0 to 1), but this {family} model is {kind} with {schedule}: set loss_weighting to "
+                   "'none' on the Timestep Sampling node.")
     return out
 
 

@@ -44,6 +44,8 @@ from torch import nn
 from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .qwen_image_prompt import STYLES as REFERENCE_PROMPT_STYLES
+from .qwen_image_prompt import takes_reference_prompt as _takes_reference_prompt
 
 MAX_REFERENCES = 3  # TextEncodeQwenImageEditPlus takes up to 3 images
 _NAMED = 20  # sources named in a preflight problem; the rest are counted
@@ -197,6 +199,12 @@ class QwenFinal(StageLayer):
 class QwenImageAdapter:
     name = "QwenImage"
     options_type = NoOptions
+    # The Cache node's reference_in_prompt styles: ComfyUI's TextEncodeQwenImageEdit(Plus) (qwen_image_prompt.py).
+    reference_prompts = REFERENCE_PROMPT_STYLES
+
+    def takes_reference_prompt(self, clip: object) -> bool:
+        """Whether the Cache's ``clip`` is Qwen-Image's text encoder, which reads the reference images."""
+        return _takes_reference_prompt(clip)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

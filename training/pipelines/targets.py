@@ -9,15 +9,27 @@ parameter count, no stage layer built) or to one stage layer (:func:`layer_targe
 the stage plan), it selects the same modules, since stage layers adopt ComfyUI's modules under
 their ComfyUI paths (``StageLayer.comfy_paths``); a module a layer holds without adopting it (a
 parameter-free helper such as Flux's ``pe_embedder``) is never a target.
+
+A run's regex is the preset's limited to the LoRA Adapter's ``blocks`` (:func:`run_target_regex`;
+numbering in training/block_range.py): every caller that selects targets for a run goes through it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..block_range import BlockRangeError, resolve_blocks, restrict_regex
 from ..quant.layers import is_linear_like
+
+if TYPE_CHECKING:
+    from ..spec import LoraSpec
+    from .base import FamilyAdapter
+
+BLOCK_LIST_PRESET = "all_linear"  # block lists are the lists holding targets of the widest preset
 
 
 def is_lora_target(target_regex: str, comfy_path: str | None, module: nn.Module) -> bool:
@@ -45,3 +57,53 @@ def model_targets(diffusion_model: nn.Module, target_regex: str) -> dict[str, nn
 def peft_target_regex(names: list[str]) -> str:
     """A PEFT ``target_modules`` regex (PEFT full-matches it) selecting exactly ``names`` in a layer."""
     return "(" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def block_lists(family: FamilyAdapter, diffusion_model: nn.Module) -> list[tuple[str, int]]:
+    """``(name, length)`` of the model's block lists in definition (= run) order: the ``ModuleList`` /
+    ``Sequential`` children of the ComfyUI model holding at least one target of the widest preset, so the
+    numbering does not change with the preset."""
+    paths = model_targets(diffusion_model, family.lora_target_regex(BLOCK_LIST_PRESET))
+    out = []
+    for name, child in diffusion_model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and any(p.startswith(name + ".") for p in paths):
+            out.append((name, len(child)))
+    return out
+
+
+def chosen_blocks(family: FamilyAdapter, diffusion_model: nn.Module, blocks: str) -> dict[str, frozenset[int]]:
+    """``{block list: chosen indices}`` of the ``blocks`` text on this model (raises BlockRangeError)."""
+    return resolve_blocks(blocks, block_lists(family, diffusion_model))
+
+
+def run_target_regex(family: FamilyAdapter, diffusion_model: nn.Module, lora: LoraSpec) -> str:
+    """The regex a run selects its targets with: the family's preset, limited to ``lora.blocks``.
+    Raises :class:`~..block_range.BlockRangeError` (a ValueError naming the model's block counts)."""
+    regex = family.lora_target_regex(lora.targets)
+    if not lora.blocks.strip():
+        return regex
+    return restrict_regex(regex, chosen_blocks(family, diffusion_model, lora.blocks))
+
+
+def block_range_problems(family: FamilyAdapter, diffusion_model: nn.Module, lora: LoraSpec) -> list[str]:
+    """Preflight: the ``blocks`` text against this model, and a range that selects no target."""
+    if not lora.blocks.strip():
+        return []
+    try:
+        regex = run_target_regex(family, diffusion_model, lora)
+    except BlockRangeError as exc:
+        return [str(exc)]
+    if not model_targets(diffusion_model, regex):
+        return [f"blocks {lora.blocks!r} selects no Linear of target preset {lora.targets!r}: widen the range or "
+                "choose a wider preset."]
+    return []
+
+
+def target_paths_by_block(paths: Mapping[str, object]) -> dict[str, int]:
+    """How many of ``paths`` lie under each ``<list>.<index>`` block (for reports and tests)."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        parts = path.split(".")
+        key = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+        counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -1,0 +1,122 @@
+"""Reference images in the text encoder's prompt, for edit models whose text encoder sees them.
+
+Qwen-Image-Edit's text encoder (Qwen2.5-VL) reads the reference image(s) together with the instruction:
+at sampling, ComfyUI's ``TextEncodeQwenImageEdit(Plus)`` nodes put each image into a templated prompt
+(through ``clip.tokenize(text, images=...)``). An edit LoRA trained on text-only embeddings would learn
+under other conditioning than it samples with. With the Cache node's ``reference_in_prompt`` on, each
+caption of an edit dataset is encoded with its item's reference images by the same ComfyUI node the
+user samples with (a *style*: the node, its template, its pixel budget), so the cached conditioning is
+that node's output for the caption and the reference files as ``Load Image`` reads them.
+
+Which text encoders take images, and through which nodes, is family policy: a family adapter may list
+``reference_prompts`` (its :class:`PromptStyle` s, the first one being what ``auto`` picks) and say with
+``takes_reference_prompt(clip)`` whether a ComfyUI ``CLIP`` is its image-reading text encoder. Nothing
+here names a family.
+
+Keys (keys.py): the style's identity and the reference images' content digests join the text key only
+when a caption is encoded with its references, so a changed reference re-encodes that item's text (as
+it re-encodes its latent), and caches made with the option off, or without references, keep their keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+AUTO = "auto"
+OFF = "off"
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    """How one ComfyUI text-encode node puts reference images into the prompt.
+
+    ``conditioning(clip, caption, images)`` returns that node's CONDITIONING for the caption and the images
+    (``[1, H, W, 3]`` each, in reference order) without a VAE (the cache encodes the reference latents
+    itself). ``version`` is part of the text key: bump it when ``conditioning`` changes what it encodes."""
+
+    name: str  # the Cache node's option value
+    node: str  # the ComfyUI node whose conditioning it is
+    max_images: int
+    version: int
+    conditioning: Callable[[object, str, list[torch.Tensor]], list]
+
+    def identity(self) -> dict[str, object]:
+        return {"style": self.name, "node": self.node, "v": self.version}
+
+
+def _adapters() -> list:
+    from ..pipelines.base import adapter_for, known_families
+
+    return [adapter_for(family) for family in known_families()]
+
+
+def all_styles() -> list[PromptStyle]:
+    """Every style a registered family offers, in family order."""
+    return [style for adapter in _adapters() for style in getattr(adapter, "reference_prompts", ())]
+
+
+def modes() -> list[str]:
+    """The Cache node's ``reference_in_prompt`` choices: auto, off and each style by name."""
+    return [AUTO, OFF, *(s.name for s in all_styles())]
+
+
+def styles_for(clip) -> list[PromptStyle]:
+    """The styles of the family whose image-reading text encoder ``clip`` is (none for a text-only one)."""
+    return [style for adapter in _adapters()
+            if getattr(adapter, "takes_reference_prompt", None) is not None and adapter.takes_reference_prompt(clip)
+            for style in getattr(adapter, "reference_prompts", ())]
+
+
+def choose(mode: str, clip, references: Sequence[tuple[str, int]]) -> tuple[PromptStyle | None, list[str]]:
+    """The style the Cache encodes captions with (``None``: text only), or the problems, phrased as the fix.
+
+    ``references``: ``(file name, reference count)`` of each dataset item. ``auto`` is the family's first
+    style for an image-reading text encoder and a dataset with references, otherwise off."""
+    known = modes()
+    if mode not in known:
+        return None, [f"reference_in_prompt must be one of {', '.join(known)} (got {mode!r})."]
+    if mode == OFF:
+        return None, []
+    offered = styles_for(clip)
+    with_refs = [(name, n) for name, n in references if n]
+    if mode == AUTO:
+        if not offered or not with_refs:
+            return None, []
+        style = offered[0]
+    else:
+        style = next((s for s in offered if s.name == mode), None)
+        if style is None:
+            node = next(s.node for s in all_styles() if s.name == mode)
+            return None, [f"reference_in_prompt {mode} encodes captions as ComfyUI's {node} does, which needs that "
+                          f"node's text encoder; the connected CLIP ({type(clip.cond_stage_model).__name__}) takes no "
+                          "images: connect the edit model's text encoder, or set reference_in_prompt to auto or off."]
+        if not with_refs:
+            return None, [f"reference_in_prompt {mode} puts each item's reference images into its prompt, but the "
+                          "dataset has none: set the Dataset node's control_folder, or set reference_in_prompt to "
+                          "auto or off."]
+    over = [f"{name} ({n})" for name, n in with_refs if n > style.max_images]
+    if over:
+        shown = ", ".join(over[:10]) + (f" and {len(over) - 10} more" if len(over) > 10 else "")
+        wider = [s.name for s in offered if s.max_images >= max(n for _, n in with_refs)]
+        fix = f"set reference_in_prompt to {' or '.join(wider)}, " if wider else ""
+        return None, [f"ComfyUI's {style.node} (reference_in_prompt {style.name}) takes at most {style.max_images} "
+                      f"reference image(s), and these items have more: {shown}. Fix: {fix}remove their extra "
+                      "references, or set reference_in_prompt to off."]
+    return style, []
+
+
+def load_reference(path: str) -> torch.Tensor:
+    """A reference image as ComfyUI's ``Load Image`` hands it on: EXIF rotation applied, RGB, ``[1, H, W, 3]``
+    floats in [0, 1] (the whole picture: the prompt node scales it to its own pixel budget).
+
+    Decoded with Pillow, like every image the cache reads: the same pixels as ``Load Image`` on ComfyUI
+    0.3.75, and for PNG files on current ComfyUI too (checked in the tests); current ComfyUI decodes
+    JPEG files with PyAV, whose pixels differ a little from Pillow's."""
+    with Image.open(path) as img:
+        rgb = ImageOps.exif_transpose(img).convert("RGB")
+        return torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0)[None]
