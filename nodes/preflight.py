@@ -329,17 +329,36 @@ def _vae_geometry(vae: VAE) -> tuple[int, int, Callable[[int], int]]:
 
 
 def dataset_latent_elements(dataset: DatasetSpec, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
-    """Latent elements of every item at every training resolution (videos at their largest frame bucket,
-    plus one image latent per reference image)."""
+    """Latent-entry elements of every item at every training resolution: videos at their largest frame
+    bucket, one image latent per reference image, and the cached variants of cache/masks.py (with flip a
+    second, mirrored latent; with a loss mask one channel per latent frame)."""
     settings = getattr(dataset, "bucket_settings", None)
     resolutions = settings.resolutions if settings is not None else (dataset.resolution,)
     max_frames = settings.max_frames if settings is not None else 1
+    flipped = getattr(dataset, "flip", "none") != "none"
+    masked = getattr(dataset, "mask", "none") != "none"
     total = 0
     for entry in dataset.entries:
         frames = latent_frames(max_frames) if getattr(entry, "is_video", False) else 1
-        frames += len(getattr(entry, "references", ()))  # each reference: one image latent of the item's size
-        total += sum(channels * frames * (res // downscale) ** 2 for res in resolutions)
+        per_cell = channels * frames * (2 if flipped else 1) + (1 if masked else 0)
+        per_cell += channels * len(getattr(entry, "references", ()))  # each reference: one image latent
+        total += sum(per_cell * (res // downscale) ** 2 for res in resolutions)
     return total
+
+
+def dataset_text_count(dataset: DatasetSpec) -> int:
+    """Text embeddings the cache holds for ``dataset``: every distinct caption text (each tag-shuffled
+    variant is its own), the empty caption when captions drop out, and one per item with reference
+    images (an edit model's prompt may carry them, so equal captions need not share an entry)."""
+    options = getattr(dataset, "captions", None)
+    texts: set[tuple[str, tuple[str, ...]]] = set()
+    for entry in dataset.entries:
+        refs = tuple(getattr(entry, "references", ()))
+        variants = options.variants(entry.caption) if options is not None else (entry.caption,)
+        texts.update((text, refs) for text in variants)
+    if options is not None and options.dropout > 0:
+        texts.add(("", ()))
+    return len(texts)
 
 
 def _folder_bytes(folder: str) -> int:
@@ -357,7 +376,7 @@ def cache_problems(dataset: DatasetSpec, vae: VAE, clip: CLIP, cache_dir: str) -
     latent = dataset_latent_elements(dataset, channels, downscale, latent_frames)
     cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
     per_caption = cond[0].numel() + (pooled[0].numel() if pooled is not None else 0)
-    text = per_caption * len({entry.caption for entry in dataset.entries})
+    text = per_caption * dataset_text_count(dataset)
     needed = max(DISK_MARGIN_BYTES, cache_disk_bytes(latent, text) - _folder_bytes(cache_dir))
     return disk_problems(cache_dir, needed, free_bytes(cache_dir), "the latent and text cache",
                          ", or cache fewer resolutions / frames")

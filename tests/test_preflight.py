@@ -380,6 +380,44 @@ def test_the_cache_disk_estimate_counts_items_resolutions_and_text(encoders, fix
     assert free_bytes(str(tmp_path)) > DISK_MARGIN_BYTES
 
 
+def test_the_cache_disk_estimate_counts_what_a_cache_with_flip_masks_and_caption_options_stores(encoders, tmp_path):
+    """Oracle: the elements a real cache run stores (every latent entry with its mirrored latent and
+    mask, every tag-shuffled caption and the empty caption) equal the estimate's count."""
+    import numpy as np
+    from PIL import Image
+    from pipetrainer.nodes.preflight import dataset_latent_elements, dataset_text_count
+    from pipetrainer.training.cache.reader import read_entries
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.captions import CaptionOptions
+
+    vae, clip = encoders
+    rng = np.random.default_rng(5)
+    for folder in ("data", "masks"):
+        (tmp_path / folder).mkdir()
+    for i, caption in enumerate(("cat, red, sofa, window", "cat, red, sofa, window", "dog, lawn, ball")):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / "data" / f"p{i}.png")
+        Image.fromarray(rng.integers(0, 255, (64, 64), dtype=np.uint8)).save(tmp_path / "masks" / f"p{i}.png")
+        (tmp_path / "data" / f"p{i}.txt").write_text(caption, encoding="utf-8")
+
+    def stored_and_estimated(**options):
+        dataset = scan_dataset(tmp_path / "data", 64, **options)
+        result = build_cache(dataset, vae, clip, tmp_path / f"cache{len(options)}")
+        keys = {i.latent_key for i in result.items} | {k for i in result.items
+                                                        for k in (i.text_key, *i.text_variants, i.empty_text_key) if k}
+        stored = sum(t.numel() for entry in read_entries(result.items[0].latent_file, keys).values() for t in entry.values())
+        cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
+        per_caption = cond[0].numel() + pooled[0].numel()
+        return stored, dataset_latent_elements(dataset, 16, 8, lambda f: f) + per_caption * dataset_text_count(dataset)
+
+    stored, estimated = stored_and_estimated()
+    assert stored == estimated
+    stored_with_options, estimated_with_options = stored_and_estimated(
+        flip="random", mask="folder", mask_folder=tmp_path / "masks",
+        captions=CaptionOptions(dropout=0.2, shuffle_variants=3, keep_tags=1))
+    assert stored_with_options > 2 * stored  # the options really store more: the oracle is not trivial
+    assert estimated_with_options == stored_with_options
+
+
 def test_the_cache_node_checks_disk_then_caches(encoders, fixture_paths):
     from pipetrainer.nodes.cache import PipeTrainerCache
 
