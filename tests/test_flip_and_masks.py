@@ -314,3 +314,24 @@ def test_flip_is_refused_with_start_image_conditioning(encoders, tmp_path):
     with pytest.raises(ValueError, match="flip cannot be combined with start-image conditioning"):
         build_cache(scan_dataset(root / "data", SIZE, flip="random"), vae, clip, root / "cache",
                     start_image=StartImage("first_frame"))
+
+
+# ---- through the real process tree ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_real_run_with_flip_and_masks_is_alike_on_one_and_two_stages(cached, fixture_paths, comfy_root, tmp_path):
+    """The first stage picks each item's latent (flipped or not), the last its mask and target: a stage
+    that chose differently would give a 2-stage run another loss than the 1-stage run. The masked,
+    flipped cache must also train differently from the plain one (the variants reach the ranks)."""
+    from pipetrainer.tests.helpers import losses, make_spec, run_training
+    from pipetrainer.training.rank import EXIT_OK
+
+    _, plain, variants = cached
+    runs = {}
+    for name, result, stages in (("plain", plain, 1), ("variants", variants, 1), ("variants2", variants, 2)):
+        spec = make_spec(fixture_paths.mmdit, result.items, tmp_path / name, comfy_root, steps=3,
+                         batch_size=2, pipeline_stages=stages, gradient_checkpointing=False)
+        code, events = run_training(spec)
+        assert code == EXIT_OK, [e for e in events if e["type"] == "error"]
+        runs[name] = losses(events)
+    assert len(runs["variants"]) == 3 and runs["variants"] == runs["variants2"]
+    assert runs["variants"] != runs["plain"]
