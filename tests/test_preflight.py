@@ -193,10 +193,15 @@ def _unsupported_family(s: Setup, sd15_model) -> str:
 
 
 def _model_without_recipe(s: Setup, fixture_paths) -> str:
+    """A MODEL built in code (as some custom nodes do): a fresh ModelPatcher records no loader, on any
+    ComfyUI (newer ones record how their stock loaders built a MODEL; that one would be accepted)."""
+    import comfy.model_patcher
     import comfy.sd
 
-    plain = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
-    return _error(dataclasses.replace(s, model=plain).build)
+    loaded = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
+    built = comfy.model_patcher.ModelPatcher(loaded.model, load_device=loaded.load_device,
+                                             offload_device=loaded.offload_device)
+    return _error(dataclasses.replace(s, model=built).build)
 
 
 def _model_file_changed(s: Setup, fixture_paths) -> str:
