@@ -47,11 +47,14 @@ def ensure_host() -> Path:
         _unpack_vendored_comfyui(root)
     link = root / "custom_nodes" / PACK_LINK_NAME
     if link.is_symlink() and link.resolve() != PACK_DIR:  # a link to another checkout: this one is tested
-        link.unlink()
+        link.unlink(missing_ok=True)
     if not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(PACK_DIR, target_is_directory=True)
-    elif link.resolve() != PACK_DIR:
+        try:
+            link.symlink_to(PACK_DIR, target_is_directory=True)
+        except FileExistsError:  # another test worker linked it first; checked below like any link
+            pass
+    if link.resolve() != PACK_DIR:
         raise RuntimeError(f"{link} is another copy of this pack: ComfyUI would load it instead of {PACK_DIR}. "
                            "Move it out of custom_nodes, or point COMFYUI_PATH at another ComfyUI.")
     return root
