@@ -13,8 +13,8 @@ micro-batch.
   into the LoRA. The tiny diffusion models' caption widths match the tiny encoders' outputs.
 
 FLUX.2 dev's Mistral rows run only where ComfyUI can build its Mistral tokenizer with the installed
-transformers (``tiny_mistral.mistral_tokenizer_problem``: not with the locked transformers 5.24; they
-pass on ComfyUI 0.3.75 with transformers 4.57 and on current ComfyUI with transformers 5.14).
+transformers (``tiny_mistral.mistral_tokenizer_problem``): on ComfyUI 0.3.75 with transformers 4.x (the
+dev lock's 4.57), on later ComfyUI with transformers <= 5.14; transformers >= 5.15 breaks it upstream.
 """
 
 from __future__ import annotations
