@@ -9,7 +9,6 @@ the caption; the cached ``cond`` must be that conditioning tensor exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -23,16 +22,14 @@ from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.dataset import scan_dataset
 from pipetrainer.training.pipelines.qwen_image_prompt import EDIT, EDIT_PLUS
 
-TINY_VL = Path(__file__).resolve().parent / "custom_nodes" / "pipetrainer_test_nodes" / "tiny_qwen25vl.py"
 CAPTIONS = {"a": "make the sky red", "b": "swap the two objects"}
 
 
 @pytest.fixture(scope="module")
 def vl_clip(comfy_root):
-    spec = importlib.util.spec_from_file_location("_tiny_qwen25vl", TINY_VL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tiny_qwen25vl_clip()
+    from pipetrainer.tests.custom_nodes.pipetrainer_test_nodes import tiny_qwen25vl
+
+    return tiny_qwen25vl.tiny_qwen25vl_clip()
 
 
 def _image(path: Path, width: int, height: int, seed: int) -> None:

@@ -1,4 +1,4 @@
-"""What the tiny LLM text encoders (Gemma 2, Qwen3) share: ComfyUI's own encoder classes with only the
+"""What the tiny LLM text encoders (Gemma 2, Mistral 3, Qwen3, Qwen2.5-VL) share: ComfyUI's own encoder classes with only the
 transformer's size changed, seeded weights, and a real ``comfy.sd.CLIP`` around them.
 
 The real encoders' classes hard-code their transformer config (``textmodel_json_config={}`` = the full
@@ -49,20 +49,21 @@ def with_clip_model(te_class: type, clip_model: type) -> type:
 
 def seeded_llm_state(state: Mapping[str, torch.Tensor], seed: int, norm_center: float) -> dict[str, torch.Tensor]:
     """Weights of a trained network's scale for a ComfyUI LLaMA-style state dict: token embeddings of
-    unit scale, matrices ~ 1/sqrt(fan in), RMSNorm weights near ``norm_center`` (1, or 0 where the
-    norm adds 1 itself: Gemma's ``rms_norm_add``), anything else small. One generator, names sorted:
-    the same seed gives the same weights on every host with the same state-dict layout."""
+    unit scale, matrices (and a vision tower's patch convolution) ~ 1/sqrt(fan in), norm weights near
+    ``norm_center`` (1, or 0 where the norm adds 1 itself: Gemma's ``rms_norm_add``; Qwen2.5-VL's vision
+    merger calls its norm ``ln_q``), anything else small. One generator, names sorted: the same seed
+    gives the same weights on every host with the same state-dict layout."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(state):
         t = state[name]
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        if "norm" in name:
+        if "norm" in name or "ln_q" in name:
             value = norm_center + 0.1 * noise
         elif "embed_tokens" in name:
             value = noise
         elif t.ndim >= 2:
-            value = noise / math.sqrt(t.shape[-1])
+            value = noise / math.sqrt(math.prod(t.shape[1:]))
         else:
             value = 0.02 * noise
         out[name] = value.to(t.dtype)

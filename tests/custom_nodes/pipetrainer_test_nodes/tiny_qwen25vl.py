@@ -17,7 +17,7 @@ exactly as with the real model: the image patches go through the vision tower in
 
 from __future__ import annotations
 
-import math
+from .tiny_llm import build_clip, seed_input
 
 TINY_QWEN25VL_CONFIG = {
     "hidden_size": 32,
@@ -69,44 +69,10 @@ def _classes():
     return TinyQwenImageTEModel, qwen_image.QwenImageTokenizer
 
 
-def _seeded_state(state: dict, seed: int) -> dict:
-    """Weights of a trained network's scale: matrices ~ 1/sqrt(fan in), norms near 1, biases small."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in sorted(state):
-        t = state[name]
-        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        if "norm" in name or "ln_q" in name:
-            value = 1.0 + 0.1 * noise
-        elif name.endswith("embed_tokens.weight"):
-            value = noise  # token embeddings of unit scale
-        elif t.ndim >= 2:
-            value = noise / math.sqrt(math.prod(t.shape[1:]))
-        else:
-            value = 0.02 * noise
-        out[name] = value.to(t.dtype)
-    return out
-
-
 def tiny_qwen25vl_clip(seed: int = 3584, embedding_directory=None):
     """A ``comfy.sd.CLIP`` of ComfyUI's Qwen-Image text encoder at width 32, with seeded weights."""
-    import comfy.sd
-
     model_class, tokenizer_class = _classes()
-
-    class Target:
-        params: dict = {}
-        clip = model_class
-        tokenizer = tokenizer_class
-
-    clip = comfy.sd.CLIP(target=Target, embedding_directory=embedding_directory, parameters=5_000_000)
-    state = clip.cond_stage_model.state_dict()
-    missing, unexpected = clip.load_sd(_seeded_state(state, seed), full_model=True)
-    if missing or unexpected:
-        raise RuntimeError(f"tiny Qwen2.5-VL: missing {missing}, unexpected {unexpected}")
-    return clip
+    return build_clip(model_class, tokenizer_class, seed, norm_center=1.0, embedding_directory=embedding_directory)
 
 
 class TinyQwen25VLLoader:
@@ -114,8 +80,7 @@ class TinyQwen25VLLoader:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 3584, "min": 0, "max": 2**31 - 1,
-                                              "tooltip": "Seed of the random weights."})}}
+        return seed_input(3584)
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
