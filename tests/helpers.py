@@ -54,3 +54,19 @@ def run_training(spec: RunSpec, timeout: float = 600) -> tuple[int, list[dict]]:
 
 def losses(events: list[dict]) -> list[float]:
     return [e["loss"] for e in events if e["type"] == "step"]
+
+
+class BatchCapture:
+    """A real family adapter that keeps the batches its first stage is handed (every other call goes
+    to the adapter), so a test sees what the data pipeline assembled."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.batches = []
+
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
+
+    def first_stage_inputs(self, batch):
+        self.batches.append(batch)
+        return self.adapter.first_stage_inputs(batch)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from pipetrainer.tests.helpers import BatchCapture
 from pipetrainer.training.captions import CaptionOptions, shuffle_tags, split_tags
 from pipetrainer.training.data import Example, MicroBatches, TextChoice
 from pipetrainer.training.dataset import DatasetError, scan_dataset
@@ -204,27 +205,13 @@ def umt5_encoders(comfy_root, fixture_paths):
     return comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(fixture_paths.vae))), module.tiny_umt5_clip()
 
 
-class _Capture:
-    """The real Wan adapter, keeping the batches it is handed."""
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        self.batches = []
-
-    def __getattr__(self, name):
-        return getattr(self.adapter, name)
-
-    def first_stage_inputs(self, batch):
-        self.batches.append(batch)
-        return self.adapter.first_stage_inputs(batch)
-
 
 def _built(model, items, micros: int, seed: int = 3):
     from pipetrainer.training.data import load_examples
     from pipetrainer.training.pipelines.base import adapter_for
 
     adapter = adapter_for("Wan")
-    capture = _Capture(adapter)
+    capture = BatchCapture(adapter)
     batches = MicroBatches(load_examples(items), 2, seed, model, capture, TimestepSpec(), torch.device("cpu"),
                            family_options=adapter.options_type())
     built = [batches.build(m) for m in range(micros)]

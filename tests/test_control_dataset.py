@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from pipetrainer.tests.helpers import BatchCapture
 from pipetrainer.training.cache.store import build_cache
 from pipetrainer.training.data import MicroBatches, bucket_groups, load_examples
 from pipetrainer.training.dataset import DatasetError, pair_references, scan_dataset
@@ -176,22 +177,11 @@ def test_an_unreadable_reference_skips_its_item_naming_the_reference(edit_work, 
 
 
 # ---- the data pipeline -------------------------------------------------------------------------
-class _Capture:
+class _Capture(BatchCapture):
     """The real SD3 adapter, declaring one required reference and keeping the batches it is handed."""
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        self.batches = []
-
-    def __getattr__(self, name):
-        return getattr(self.adapter, name)
 
     def extras(self, diffusion_model):
         return {reference_extra(0): ExtraSpec(("C", "H", "W"), is_latent=True)}
-
-    def first_stage_inputs(self, batch):
-        self.batches.append(batch)
-        return self.adapter.first_stage_inputs(batch)
 
 
 def test_the_adapter_gets_processed_references_of_its_own_items(edit_base, encoders, fixture_paths):
