@@ -130,11 +130,7 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict], note: str = ""
         for name, kind, options in _ordered_inputs(info):
             value = node["inputs"].get(name)
             if _is_widget(kind, options) and not isinstance(value, list):
-                if value is None:
-                    continue
-                widgets.append(value)
-                if options.get("control_after_generate"):
-                    widgets.append(CONTROL_DEFAULT)
+                widgets.append((value, kind, options))
                 continue
             if isinstance(value, list):
                 link_id = len(links) + 1
@@ -144,6 +140,7 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict], note: str = ""
                 outputs_links.setdefault((src, slot), []).append(link_id)
                 inputs.append({"name": name, "type": _socket_type(kind), "link": link_id})
         pos, size = placed[key]
+        widgets = _widget_values(widgets)
         nodes.append({
             "id": ids[key], "type": node["class_type"], "pos": pos, "size": size, "flags": {}, "order": 0,
             "mode": 0, "inputs": inputs, "outputs": [],
@@ -273,6 +270,29 @@ def required_comfyui(description: str) -> tuple[int, ...] | None:
 def widget_names(info: dict) -> list[str]:
     """The node's widget inputs in the order the frontend stores their values in ``widgets_values``."""
     return [name for name, kind, options in _ordered_inputs(info) if _is_widget(kind, options)]
+
+
+def _widget_values(widgets: list[tuple[Any, Any, dict]]) -> list:
+    """``widgets_values`` for (value or None, kind, options) in widget order. The frontend reads them by
+    position and keeps its defaults past the end: trailing unset widgets are left out, a gap before a set
+    one takes the widget's default; a seed's control value follows it."""
+    while widgets and widgets[-1][0] is None:
+        widgets = widgets[:-1]
+    out = []
+    for value, kind, options in widgets:
+        out.append(_default_value(kind, options) if value is None else value)
+        if options.get("control_after_generate"):
+            out.append(CONTROL_DEFAULT)
+    return out
+
+
+def _default_value(kind: Any, options: dict) -> Any:
+    """What the frontend shows in a widget the workflow gives no value: its default, else a combo's first
+    choice (an empty list of choices, as for a folder without files: "")."""
+    if "default" in options:
+        return options["default"]
+    choices = _combo_options(kind, options)
+    return choices[0] if choices else ""
 
 
 def _combo_options(kind: Any, options: dict) -> list | None:

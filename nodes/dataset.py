@@ -89,6 +89,12 @@ class PipeTrainerDataset(io.ComfyNode):
                                      "0 shuffles every tag."),
                 io.String.Input("tag_separator", default=",", optional=True,
                                 tooltip="With shuffle_tags: what separates the tags of a caption (usually ',')."),
+                io.String.Input("prompt_prefix", default="", optional=True,
+                                tooltip="Text your sampling graph's text-encode node puts before every prompt; it "
+                                        "goes before every caption and the empty caption, so training encodes what "
+                                        "sampling does. Lumina 2: CLIP Text Encode (Lumina 2)'s system prompt "
+                                        "followed by ' <Prompt Start> ' (see its example workflow). Empty for most "
+                                        "models. Not for trigger words: write those into the captions."),
                 io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
                                tooltip="'random': each item also trains mirrored left-right, half the time. The "
                                        "mirrored image is encoded by the VAE once and cached (a second latent per "
@@ -144,15 +150,15 @@ class PipeTrainerDataset(io.ComfyNode):
     def execute(cls, folder: str, resolution: int, repeats: int, missing_caption: str, aspect_buckets: int = 1,
                 min_ratio: float = 0.5, max_ratio: float = 2.0, extra_resolutions: str = "",
                 video_fps: float = 16.0, max_frames: int = 33, control_folder: str = "", caption_dropout: float = 0.0,
-                shuffle_tags: int = 0, keep_tags: int = 1, tag_separator: str = ",", flip: str = "none",
-                mask: str = "none", mask_folder: str = "") -> io.NodeOutput:
+                shuffle_tags: int = 0, keep_tags: int = 1, tag_separator: str = ",", prompt_prefix: str = "",
+                flip: str = "none", mask: str = "none", mask_folder: str = "") -> io.NodeOutput:
         if not folder.strip():
             raise ValueError("folder is empty: give a folder of captioned images.")
         try:
             settings = cls.bucket_settings(resolution, aspect_buckets, min_ratio, max_ratio, extra_resolutions,
                                            video_fps, max_frames)
             control = resolve_folder(control_folder) if control_folder.strip() else None
-            captions = CaptionOptions(caption_dropout, shuffle_tags, keep_tags, tag_separator)
+            captions = CaptionOptions(caption_dropout, shuffle_tags, keep_tags, tag_separator, prompt_prefix)
             masks = resolve_folder(mask_folder) if mask_folder.strip() else None
             dataset = scan_dataset(resolve_folder(folder), resolution, repeats, missing_caption, settings, control,
                                    captions, flip=flip, mask=mask, mask_folder=masks)

@@ -247,20 +247,37 @@ def test_one_micro_batch_of_the_cached_conds_trains_as_comfyui_samples(cached):
         assert any(v.abs().max() > 0 for v in grads.values())
 
 
-def test_a_caption_written_as_the_lumina2_example_says_is_what_clip_text_encode_lumina2_gives(comfy_root):
-    """The Lumina 2 example (workflows/api/pipetrainer_lumina2.md) tells users to start each caption with
-    the system prompt it samples with; cached that way, the caption's cond and mask are exactly ComfyUI's
-    CLIPTextEncodeLumina2 conditioning (system prompt 'superior') of the rest of the caption."""
-    import re
+def test_the_lumina2_examples_prompt_prefix_caches_what_its_clip_text_encode_lumina2_gives(
+        comfy_root, encoders, dataset, tmp_path):
+    """Lumina 2 samples through ``CLIPTextEncodeLumina2`` (system prompt + " <Prompt Start> " + prompt).
+    With the Lumina 2 example's ``prompt_prefix`` (workflows/api/pipetrainer_lumina2.json) every cached
+    caption and the empty caption (caption dropout) equal that node's conditioning, with the system
+    prompt the example samples with, of the caption and of an empty prompt (tiny Gemma 2)."""
+    import json
 
     from comfy_extras.nodes_lumina2 import CLIPTextEncodeLumina2
-    from pipetrainer.training.cache.encoders import TEXT_ATTENTION_MASK, ComfyEncoders
+    from pipetrainer.training.cache.encoders import TEXT_ATTENTION_MASK
+    from pipetrainer.training.cache.reader import read_entries
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.captions import CaptionOptions
+    from pipetrainer.training.dataset import scan_dataset
 
-    note = (Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_lumina2.md").read_text()
-    (prefix,) = re.findall(r"`(You are an assistant [^`]*<Prompt Start> )[^`]*`", note)
+    example = json.loads((Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_lumina2.json").read_text())
+    (prefix,) = [n["inputs"]["prompt_prefix"] for n in example.values() if n["class_type"] == "PipeTrainerDataset"]
+    (system,) = [n["inputs"]["system_prompt"] for n in example.values() if n["class_type"] == "CLIPTextEncodeLumina2"]
     clip = _clip("Gemma2")
-    ((cond, extra),) = CLIPTextEncodeLumina2.execute(clip=clip, user_prompt=CAPTIONS[1], system_prompt="superior").result[0]
-    no_vae = type("NoVAE", (), {"downscale_index_formula": None})()  # text only
-    cached = ComfyEncoders(no_vae, clip).encode_text(prefix + CAPTIONS[1])
-    assert torch.equal(cached["cond"], cond[0].float())
-    assert torch.equal(cached[TEXT_ATTENTION_MASK], extra["attention_mask"][0])
+    spec = scan_dataset(dataset, 64, captions=CaptionOptions(dropout=0.5, prefix=prefix))
+    result = build_cache(spec, encoders[0], clip, tmp_path / "cache", text_dtype="fp32")
+
+    def lumina2(prompt: str):
+        ((cond, extra),) = CLIPTextEncodeLumina2.execute(clip=clip, user_prompt=prompt, system_prompt=system).result[0]
+        return cond[0].float(), extra["attention_mask"][0]
+
+    assert sorted(item.caption for item in result.items) == sorted(CAPTIONS)
+    for item in result.items:
+        entries = read_entries(item.text_file, [item.text_key, item.empty_text_key])
+        for key, prompt in ((item.text_key, item.caption), (item.empty_text_key, "")):
+            cond, mask = lumina2(prompt)
+            assert torch.equal(entries[key]["cond"], cond) and torch.equal(entries[key][TEXT_ATTENTION_MASK], mask)
+        alone = _encode("Gemma2", item.caption)[0][0]  # CLIPTextEncode of the caption without the prefix
+        assert entries[item.text_key]["cond"].shape[0] > alone.shape[1]

@@ -111,6 +111,46 @@ def test_no_two_nodes_of_an_example_overlap(ui_file, object_info):
                 node["id"], node["size"], need, "regenerate with: .venv/bin/python scripts/pt.py ui-workflow")
 
 
+@pytest.mark.parametrize("ui_file", UI_FILES, ids=[p.stem for p in UI_FILES])
+def test_each_widget_value_of_an_example_is_its_api_twins_value_at_that_widgets_position(ui_file, object_info):
+    """The frontend reads ``widgets_values`` by position (a seed's control value follows it): every value
+    the API twin sets must sit at its widget's position, whatever inputs the twin leaves out."""
+    from pipetrainer.devkit.workflow_ui import widget_names
+
+    api = json.loads((WORKFLOWS / "api" / ui_file.name).read_text())
+    for node in json.loads(ui_file.read_text())["nodes"]:
+        if node["type"] in NOTE_TYPES:
+            continue
+        info = object_info[node["type"]]
+        options = {name: spec[1] if len(spec) > 1 else {} for group in ("required", "optional")
+                   for name, spec in info["input"].get(group, {}).items()}
+        values, by_name = list(node["widgets_values"]), {}
+        for name in widget_names(info):
+            if not values:
+                break
+            by_name[name] = values.pop(0)
+            if options[name].get("control_after_generate"):
+                values.pop(0)
+        assert values == [], (node["id"], values)  # no value without a widget
+        set_in_twin = {k: v for k, v in api[str(node["id"])]["inputs"].items() if not isinstance(v, list)}
+        assert set_in_twin == {k: by_name.get(k, "(past the widgets_values)") for k in set_in_twin}, node["id"]
+
+
+def test_a_widget_left_out_before_a_set_one_keeps_the_set_ones_position():
+    """The generator behind the check above: an API node that leaves out a widget in the middle gets that
+    widget's default at its position (a seed keeps its control value), and none past the last set one."""
+    from pipetrainer.devkit.workflow_ui import CONTROL_DEFAULT, api_to_ui, ui_to_api
+
+    info = {"N": {"input": {"required": {"seed": ["INT", {"default": 0, "control_after_generate": True}]},
+                            "optional": {"skipped": ["FLOAT", {"default": 0.25}], "mode": [["a", "b"], {}],
+                                         "text": ["STRING", {"default": ""}], "tail": ["INT", {"default": 3}]}},
+                  "output": [], "output_name": [], "display_name": "N", "category": "test"}}
+    api = {"1": {"class_type": "N", "inputs": {"seed": 7, "text": "set"}}}
+    (node,) = api_to_ui(api, info)["nodes"]
+    assert node["widgets_values"] == [7, CONTROL_DEFAULT, 0.25, "a", "set"]
+    assert ui_to_api(api_to_ui(api, info), info)["1"]["inputs"] == {"seed": 7, "skipped": 0.25, "mode": "a", "text": "set"}
+
+
 def test_overlaps_are_detected():
     """The check above can fail: two nodes whose boxes (title bar included) intersect."""
     ui = {"nodes": [{"id": 1, "pos": [0, 30], "size": [300, 200]}, {"id": 2, "pos": [100, 250], "size": [300, 100]},

@@ -11,6 +11,11 @@ Caption dropout trains an item on the empty caption's embedding instead, with pr
 ``dropout``: what ComfyUI's ``CLIPTextEncode`` gives for ``""`` with the same text encoder, i.e.
 what the model is conditioned on when a prompt is left empty. The choice is made per item of each
 micro-batch by the trainer (training/data.py), from a generator of its own.
+
+A prompt prefix is what the sampling graph's text-encode node puts before every prompt (Lumina 2's
+``CLIPTextEncodeLumina2``: its system prompt and ``" <Prompt Start> "``). It goes in front of every
+cached text, the empty caption included (left empty, that node still encodes the prefix), and after
+tag shuffling, so ``keep_tags`` counts the caption's own tags.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ MAX_SHUFFLE_VARIANTS = 64  # each variant is one more cached embedding per capti
 class CaptionOptions:
     """``dropout``: share of items trained on the empty caption; ``shuffle_variants``: how many
     tag-shuffled versions of each caption are cached (0 = off, the caption as written);
-    ``keep_tags``: how many leading tags stay in place; ``separator``: what separates tags."""
+    ``keep_tags``: how many leading tags stay in place; ``separator``: what separates tags;
+    ``prefix``: text put before every cached text (the sampling text-encode node's template)."""
 
     dropout: float = 0.0
     shuffle_variants: int = 0
     keep_tags: int = 1
     separator: str = ","
+    prefix: str = ""
 
     def problems(self) -> list[str]:
         out = []
@@ -46,12 +53,17 @@ class CaptionOptions:
         return out
 
     def variants(self, caption: str) -> tuple[str, ...]:
-        """The texts cached for ``caption``, distinct, in a fixed order: the caption itself when
-        shuffling is off, else up to ``shuffle_variants`` shuffles (fewer when the tags allow fewer)."""
+        """The texts cached for ``caption``, distinct, in a fixed order, each behind the prefix: the
+        caption itself when shuffling is off, else up to ``shuffle_variants`` shuffles (fewer when the
+        tags allow fewer)."""
         if not self.shuffle_variants:
-            return (caption,)
-        return tuple(dict.fromkeys(shuffle_tags(caption, k, self.keep_tags, self.separator)
+            return (self.prefix + caption,)
+        return tuple(dict.fromkeys(self.prefix + shuffle_tags(caption, k, self.keep_tags, self.separator)
                                    for k in range(self.shuffle_variants)))
+
+    def empty_text(self) -> str:
+        """The text of the empty caption: what the sampling text-encode node encodes for an empty prompt."""
+        return self.prefix
 
     def report(self) -> str:
         """One line for the Dataset node's report ("" when both options are off)."""
@@ -61,6 +73,8 @@ class CaptionOptions:
         if self.shuffle_variants:
             parts.append(f"{self.shuffle_variants} tag-shuffled variants per caption cached, first "
                          f"{self.keep_tags} tag(s) kept in place (separator {self.separator!r})")
+        if self.prefix:
+            parts.append(f"every caption encoded behind the prompt prefix {self.prefix!r}")
         return "; ".join(parts)
 
 

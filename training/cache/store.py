@@ -346,21 +346,22 @@ class _Filler:
     def empty_caption_plans(self, planned: list[_Planned]) -> list[_Planned | None]:
         """With caption dropout, the plan of each item's empty-caption entry (None without dropout).
 
-        Items whose captions are encoded alone share one entry, ``""`` as ``CLIPTextEncode`` encodes it.
-        An item whose captions carry its reference images in the prompt (``reference_in_prompt``) gets
-        ``""`` with those images, as the edit model's text-encode node builds its unconditioned input: an
+        Items whose captions are encoded alone share one entry, ``""`` (behind the dataset's prompt
+        prefix, if any) as ``CLIPTextEncode`` encodes it. An item whose captions carry its reference
+        images in the prompt (``reference_in_prompt``) gets that empty text with those images, as the edit model's text-encode node builds its unconditioned input: an
         edit model never sees its prompt without the images, dropped caption or not."""
         if not (self.dataset.captions.dropout > 0 and planned):
             return [None] * len(planned)
         text_sig = encoder_signature(self.encoders.text_identity())
-        key = text_key("", text_sig, self.text_dtype)
+        empty = self.dataset.captions.empty_text()  # "" unless a prompt prefix is set
+        key = text_key(empty, text_sig, self.text_dtype)
         shared = dataclasses.replace(planned[0], entry=ImageEntry(os.path.join(self.dataset.folder, "(empty caption)"), ""),
-                                     text_key=key, texts=((key, ""),), variant=-1, references=())
+                                     text_key=key, texts=((key, empty),), variant=-1, references=())
         out: list[_Planned | None] = []
         for p in planned:
             if self.prompt_sig and p.references:
-                own = text_key("", text_sig, self.text_dtype, self.prompt_sig, p.references)
-                out.append(dataclasses.replace(p, text_key=own, texts=((own, ""),), variant=-1))
+                own = text_key(empty, text_sig, self.text_dtype, self.prompt_sig, p.references)
+                out.append(dataclasses.replace(p, text_key=own, texts=((own, empty),), variant=-1))
             else:
                 out.append(shared)
         return out
