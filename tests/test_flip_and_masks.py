@@ -211,6 +211,46 @@ def test_alpha_masks_come_from_the_alpha_channel_and_images_without_alpha_are_sk
     assert "no alpha channel" in r.report.skipped[0]
 
 
+def test_a_video_clip_caches_one_area_averaged_mask_and_a_mirrored_clip_latent(encoders, tmp_path):
+    """A clip with a mask image named like it, cached with the real (narrow) Wan 2.1 VAE: one
+    ``[1, h, w]`` mask on the latent grid (the mask image, at the bucket size, averaged over each 8 x 8
+    cell), and a mirrored latent of the clip's shape, unlike the clip's own (the picture is asymmetric)."""
+    import av
+    import torch.nn.functional as F
+    from pipetrainer.devkit.fixtures_video import tiny_wan21_vae
+    from pipetrainer.training.dataset import BucketSettings
+
+    width, height = 48, 16  # the 3:1 bucket at resolution 32 with ratios up to 3: no resize, no crop
+    data, masks = tmp_path / "data", tmp_path / "masks"
+    data.mkdir()
+    with av.open(str(data / "clip.mp4"), "w") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(9):
+            img = np.zeros((height, width, 3), np.uint8)
+            img[:, : 8 + 2 * i] = 220  # a bar growing from the left edge
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    (data / "clip.txt").write_text("a growing bar", encoding="utf-8")
+    mask = np.full((height, width), 255, np.uint8)
+    mask[:, :20] = 0
+    mask[:4, 30:] = 64
+    _write(masks, "clip.png", mask)
+    settings = BucketSettings(resolutions=(32,), min_ratio=1 / 3, max_ratio=3.0, count=3, max_frames=9, fps=8.0)
+    spec = scan_dataset(data, 32, buckets=settings, flip="random", mask="folder", mask_folder=masks)
+    result = build_cache(spec, tiny_wan21_vae(), encoders[1], tmp_path / "cache")
+    (item,) = result.items
+    assert item.bucket == f"{width}x{height}x9"
+    entry = read_entries(item.latent_file, [item.latent_key])[item.latent_key]
+    latent, flipped, cached_mask = entry["latent"], entry[FLIPPED_LATENT], entry[LOSS_MASK]
+    assert latent.shape == (16, 3, height // 8, width // 8) and flipped.shape == latent.shape
+    expected = F.avg_pool2d(torch.from_numpy(mask).float()[None, None] / 255.0, 8)[0]
+    torch.testing.assert_close(cached_mask, expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(latent, flipped, atol=1e-3)
+
+
 # ---- training: masked loss and flip choices ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_sd3(fixture_paths):
