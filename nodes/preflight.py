@@ -346,19 +346,43 @@ def dataset_latent_elements(dataset: DatasetSpec, channels: int, downscale: int,
     return total
 
 
-def dataset_text_count(dataset: DatasetSpec) -> int:
-    """Text embeddings the cache holds for ``dataset``: every distinct caption text (each tag-shuffled
-    variant is its own), the empty caption when captions drop out, and one per item with reference
-    images (an edit model's prompt may carry them, so equal captions need not share an entry)."""
+def dataset_texts(dataset: DatasetSpec) -> list[str]:
+    """The texts the cache encodes for ``dataset``, one per text entry: every distinct caption text (each
+    tag-shuffled variant is its own, behind the prompt prefix), the empty caption when captions drop
+    out, and one per item with reference images (an edit model's prompt may carry them, so equal
+    captions need not share an entry)."""
     options = getattr(dataset, "captions", None)
-    texts: set[tuple[str, tuple[str, ...]]] = set()
+    texts: dict[tuple[str, tuple[str, ...]], None] = {}
     for entry in dataset.entries:
         refs = tuple(getattr(entry, "references", ()))
         variants = options.variants(entry.caption) if options is not None else (entry.caption,)
-        texts.update((text, refs) for text in variants)
+        texts.update(((text, refs), None) for text in variants)
     if options is not None and options.dropout > 0:
-        texts.add(("", ()))
-    return len(texts)
+        texts[(options.empty_text(), ())] = None
+    return [text for text, _ in texts]
+
+
+def _token_count(clip: CLIP, text: str) -> int:
+    """The longest token sequence ``clip.tokenize`` makes of ``text`` over its tokenizers (padding and
+    the encoder's template included; a caption longer than one CLIP window counts every window)."""
+    counts = [sum(len(batch) for batch in batches) for batches in clip.tokenize(text).values()
+              if isinstance(batches, list)]
+    return max(counts, default=0)
+
+
+def text_cache_elements(texts: Sequence[str], clip: CLIP) -> int:
+    """Elements of the text entries of ``texts``: the empty prompt's embedding (its rows, width and
+    pooled vector, from one real encode), plus one row per token a text has beyond the empty prompt's.
+    Padded encoders (CLIP, 77 tokens) give every caption the same rows; LLM encoders grow with the caption
+    (and store an attention-mask element per row)."""
+    from ..training.cache.encoders import returns_attention_mask
+
+    cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
+    rows, width = cond.shape[1], cond.shape[-1] + (1 if returns_attention_mask(clip) else 0)
+    pooled_elements = pooled[0].numel() if pooled is not None else 0
+    empty_tokens = _token_count(clip, "")
+    extra_rows = sum(max(0, _token_count(clip, text) - empty_tokens) for text in texts)
+    return (rows * width + pooled_elements) * len(texts) + extra_rows * width
 
 
 def _folder_bytes(folder: str) -> int:
@@ -370,13 +394,11 @@ def cache_problems(dataset: DatasetSpec, vae: VAE, clip: CLIP, cache_dir: str) -
 
     The estimate counts every item (an upper bound when some are reused) minus what the cache folder
     already holds, so re-running an unchanged dataset never trips it. One empty caption is encoded
-    to learn the text embedding's size.
+    to learn the text embedding's size; the captions are only tokenized.
     """
     channels, downscale, latent_frames = _vae_geometry(vae)
     latent = dataset_latent_elements(dataset, channels, downscale, latent_frames)
-    cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
-    per_caption = cond[0].numel() + (pooled[0].numel() if pooled is not None else 0)
-    text = per_caption * dataset_text_count(dataset)
+    text = text_cache_elements(dataset_texts(dataset), clip)
     needed = max(DISK_MARGIN_BYTES, cache_disk_bytes(latent, text) - _folder_bytes(cache_dir))
     return disk_problems(cache_dir, needed, free_bytes(cache_dir), "the latent and text cache",
                          ", or cache fewer resolutions / frames")

@@ -390,7 +390,7 @@ def test_the_cache_disk_estimate_counts_what_a_cache_with_flip_masks_and_caption
     mask, every tag-shuffled caption and the empty caption) equal the estimate's count."""
     import numpy as np
     from PIL import Image
-    from pipetrainer.nodes.preflight import dataset_latent_elements, dataset_text_count
+    from pipetrainer.nodes.preflight import dataset_latent_elements, dataset_texts, text_cache_elements
     from pipetrainer.training.cache.reader import read_entries
     from pipetrainer.training.cache.store import build_cache
     from pipetrainer.training.captions import CaptionOptions
@@ -410,9 +410,8 @@ def test_the_cache_disk_estimate_counts_what_a_cache_with_flip_masks_and_caption
         keys = {i.latent_key for i in result.items} | {k for i in result.items
                                                         for k in (i.text_key, *i.text_variants, i.empty_text_key) if k}
         stored = sum(t.numel() for entry in read_entries(result.items[0].latent_file, keys).values() for t in entry.values())
-        cond, pooled = clip.encode_from_tokens(clip.tokenize(""), return_pooled=True)
-        per_caption = cond[0].numel() + pooled[0].numel()
-        return stored, dataset_latent_elements(dataset, 16, 8, lambda f: f) + per_caption * dataset_text_count(dataset)
+        return stored, (dataset_latent_elements(dataset, 16, 8, lambda f: f)
+                        + text_cache_elements(dataset_texts(dataset), clip))
 
     stored, estimated = stored_and_estimated()
     assert stored == estimated

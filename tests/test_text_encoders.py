@@ -281,3 +281,25 @@ def test_the_lumina2_examples_prompt_prefix_caches_what_its_clip_text_encode_lum
             assert torch.equal(entries[key]["cond"], cond) and torch.equal(entries[key][TEXT_ATTENTION_MASK], mask)
         alone = _encode("Gemma2", item.caption)[0][0]  # CLIPTextEncode of the caption without the prefix
         assert entries[item.text_key]["cond"].shape[0] > alone.shape[1]
+
+
+@pytest.mark.parametrize("name", ["Gemma2", "ZImageQwen3"])
+def test_the_text_disk_estimate_grows_with_llm_captions_as_the_stored_entries_do(name, comfy_root, encoders, dataset,
+                                                                               tmp_path):
+    """LLM encoders give one row per token (no padding): the disk estimate's text elements, from one
+    encode of the empty prompt and the captions' token counts, cover what a real cache run stores for
+    short and long captions behind a prompt prefix and the empty caption, and stay close to it."""
+    from pipetrainer.nodes.preflight import dataset_texts, text_cache_elements
+    from pipetrainer.training.cache.reader import read_entries
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.captions import CaptionOptions
+    from pipetrainer.training.dataset import scan_dataset
+
+    clip = _clip(name)
+    spec = scan_dataset(dataset, 64, captions=CaptionOptions(dropout=0.1, prefix="A picture. "))
+    result = build_cache(spec, encoders[0], clip, tmp_path / "cache", text_dtype="fp32")
+    keys = {k for item in result.items for k in (item.text_key, *item.text_variants, item.empty_text_key) if k}
+    stored = sum(t.numel() for entry in read_entries(result.items[0].text_file, keys).values() for t in entry.values())
+    estimated = text_cache_elements(dataset_texts(spec), clip)
+    assert len(keys) == len(dataset_texts(spec)) == 3  # 2 captions + the empty caption
+    assert stored <= estimated <= 1.1 * stored, (stored, estimated)
