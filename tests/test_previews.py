@@ -121,7 +121,12 @@ def test_the_final_preview_is_the_stock_graph_image_pixel_for_pixel(server, comf
     assert history_error(entry) is None, server.log_tail()
     [run_dir] = sorted((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{name}-*"))
     events = read_all(run_dir)
-    assert [e["step"] for e in events if e["type"] == "preview"] == [2, 4], server.log_tail()
+    rendered = [e["step"] for e in events if e["type"] == "preview"]
+    # Ranks never wait for previews: on a loaded machine step 4 may come before step 2's render started,
+    # and then only the newest due step renders (the skip is logged). The final step always renders.
+    assert rendered in ([2, 4], [4]), server.log_tail()
+    if rendered == [4]:
+        assert "previews of step(s) 2 skipped" in (run_dir / "logs" / "previews.log").read_text()
     assert not [e for e in events if e["type"] == "preview_failed"]
     shown = entry["outputs"][TRAIN]["images"]  # the node's UI output: the final step's previews
     assert [(i["filename"], i["type"]) for i in shown] == [("step_4_0.png", "output")]
@@ -132,7 +137,8 @@ def test_the_final_preview_is_the_stock_graph_image_pixel_for_pixel(server, comf
     [stock_image] = output_images(stock, comfy_root)
     final = _pixels(run_dir / "previews" / "step_4_0.png")
     assert np.array_equal(final, _pixels(stock_image))
-    assert np.abs(final - _pixels(run_dir / "previews" / "step_2_0.png")).max() > 0  # step 2's LoRA differs
+    if rendered == [2, 4]:
+        assert np.abs(final - _pixels(run_dir / "previews" / "step_2_0.png")).max() > 0  # step 2's LoRA differs
 
     try:  # an optional package: without it the run log says how to turn it on
         from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
@@ -140,4 +146,4 @@ def test_the_final_preview_is_the_stock_graph_image_pixel_for_pixel(server, comf
         assert "pip install tensorboard" in (run_dir / "logs" / "previews.log").read_text()
         return
     board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={IMAGES: 0}).Reload()
-    assert [e.step for e in board.Images("preview/0")] == [2, 4]
+    assert [e.step for e in board.Images("preview/0")] == rendered
