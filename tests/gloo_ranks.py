@@ -21,8 +21,11 @@ RESULT_PREFIX = "RESULT "
 _CHILD = (
     "import importlib.util as u, sys; s = u.spec_from_file_location('_pipetrainer_entry', sys.argv[1]); "
     "m = u.module_from_spec(s); s.loader.exec_module(m); m.import_pack(); "
-    "from pipetrainer.tests.gloo_ranks import rank_main; sys.exit(rank_main(sys.argv[2:]))"
+    "from pipetrainer.tests.gloo_ranks import rank_main; import os; rc = rank_main(sys.argv[2:]); "
+    "sys.stdout.flush(); os._exit(rc)"
 )
+# os._exit: the result is printed and the group destroyed; gloo's C++ threads have been seen to abort the
+# interpreter's teardown ("terminate called without an active exception", exit -6) after a correct result.
 
 
 def run_on_gloo_ranks(target: str, tmp: Path, world: int = 2, collective_timeout_s: float = 20.0) -> list[Any]:
@@ -75,6 +78,7 @@ def rank_main(argv: list[str]) -> int:
                             timeout=timedelta(seconds=timeout_s))
     try:
         result = function(rank, world)
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
