@@ -133,8 +133,8 @@ def load(source: RandomFlux, path: Path | None, weight_dtype: str, compute_dtype
     """A ComfyUI ModelPatcher of ``source``: from ``path`` through the trainer's ``load_model``, or, with
     ``path`` None, from its state dict in memory through ComfyUI's state-dict loader."""
     import comfy.sd
-    from pipetrainer.training.model_source import load_model, model_options, use_compute_dtype
-    from pipetrainer.training.spec import ModelRecipe
+    from pipetrainer.training.model.model_source import load_model, model_options, use_compute_dtype
+    from pipetrainer.training.spec.options import ModelRecipe
 
     with detection_as(unet_config(source.params)) if tiny else contextlib.nullcontext():
         if path is not None:

@@ -79,8 +79,8 @@ def train_child(backend: str, comfyui: Path, model_path: Path, device_name: str,
     """One backend in this (fresh) process; the result holds losses, timings and the attention function."""
     import torch
     import torch.utils.checkpoint
-    from pipetrainer.training.comfy_env import attention_in_use, use_comfyui
-    from pipetrainer.training.launch_settings import LaunchSettings, plan_rank_args
+    from pipetrainer.training.model.comfy_env import attention_in_use, use_comfyui
+    from pipetrainer.training.model.launch_settings import LaunchSettings, plan_rank_args
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"
@@ -98,10 +98,10 @@ def train_child(backend: str, comfyui: Path, model_path: Path, device_name: str,
         from pipetrainer.patches.comfy_flash_backward import enable_flash_attention_backward
 
         enable_flash_attention_backward()
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.pipelines.base import adapter_for, family_name_for
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe
 
     result = Result(backend, function=attention_in_use())
     torch.manual_seed(0)

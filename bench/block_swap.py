@@ -25,9 +25,9 @@ def build_stage(device, model_path: Path):
     """The tiny MMDiT's stage layers on ``device`` with LoRA (rank 8, attention + MLP) and their optimizer."""
     import comfy.sd
     import torch
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     adapter = adapter_for("SD3")
     dm = comfy.sd.load_diffusion_model(str(model_path)).model.diffusion_model
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import_pack()
     import torch
-    from pipetrainer.training.comfy_env import use_comfyui
+    from pipetrainer.training.model.comfy_env import use_comfyui
 
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

@@ -61,7 +61,7 @@ def run(items: int, workdir: Path, repeats: int = 3) -> dict[str, float]:
     torch.set_num_threads(1)  # the synthetic encoders are tiny; threads only add contention
     import_pack()
     from pipetrainer.training.cache.store import fill_cache
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.dataset import scan_dataset
 
     data, cache = workdir / f"data_{items}", workdir / f"cache_{items}"
     t = time.perf_counter()

@@ -264,10 +264,10 @@ def prepare(source, path: Path | None, precision: str, settings: Settings, devic
     import torch
     from _random_flux import load
     from gpu_smoke import PRECISIONS, fixed_batch
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
     from pipetrainer.training.offload.stages import is_swappable
     from pipetrainer.training.pipelines.base import adapter_for, family_name_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     weight_dtype, compute = PRECISIONS[precision]
     patcher = load(source, path, weight_dtype, compute, tiny)
@@ -295,7 +295,7 @@ def run_case(bundle: Bundle, case: Case, settings: Settings, device) -> Result:
     import torch.utils.checkpoint
     from _copy_back_swap import CopyBackSwapper
     from gpu_smoke import train_step
-    from pipetrainer.training.lora_inject import named_lora_parameters
+    from pipetrainer.training.adapters.inject import named_lora_parameters
     from pipetrainer.training.offload.block_swap import BlockSwapper
     from pipetrainer.training.offload.placement import last_swappable, move_trainable, place_stage
 
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from _random_flux import FULL, TINY, RandomFlux
     from gpu_smoke import PRECISIONS
-    from pipetrainer.training.comfy_env import enable_comfy_training_mode, use_comfyui
+    from pipetrainer.training.model.comfy_env import enable_comfy_training_mode, use_comfyui
 
     unknown = [p for p in args.precisions if p not in PRECISIONS]
     if unknown:

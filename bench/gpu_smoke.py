@@ -101,11 +101,11 @@ def run_case(case: Case, model_path: Path, device, steps: int, lr: float | None 
     """Train one case for ``steps`` steps; the result holds losses and timings, or the error."""
     import torch
     import torch.utils.checkpoint
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.offload.block_swap import swap_last_blocks
     from pipetrainer.training.pipelines.base import adapter_for, family_name_for
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe
 
     result = Result(case)
     cuda = device.type == "cuda"
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import_pack()
     import torch
-    from pipetrainer.training.comfy_env import use_comfyui
+    from pipetrainer.training.model.comfy_env import use_comfyui
 
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

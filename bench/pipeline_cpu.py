@@ -25,14 +25,14 @@ def build_items(workdir: Path):
     """Cache the demo dataset at 64 px with the tiny VAE and CLIP (ComfyUI's own loaders)."""
     from pipetrainer.devkit.fixtures import ensure_fixtures
     from pipetrainer.devkit.host import ensure_host
-    from pipetrainer.training.comfy_env import use_comfyui
+    from pipetrainer.training.model.comfy_env import use_comfyui
 
     root = ensure_host()
     use_comfyui(root, "cpu")
     import comfy.sd
     import comfy.utils
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.dataset import scan_dataset
 
     fixtures = ensure_fixtures(root)
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(fixtures.vae)))
@@ -42,9 +42,10 @@ def build_items(workdir: Path):
 
 
 def run_once(root: Path, fixtures, items, run_dir: Path, stages: int, steps: int, grad_accum: int) -> dict:
-    from pipetrainer.training.events import read_all
-    from pipetrainer.training.fingerprint import file_fingerprint
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, TrainSpec
+    from pipetrainer.training.model.fingerprint import file_fingerprint
+    from pipetrainer.training.process.events import read_all
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.run_spec import RunSpec
 
     shutil.rmtree(run_dir, ignore_errors=True)  # events.jsonl is append-only: start each run clean
     run_dir.mkdir(parents=True)
@@ -57,7 +58,7 @@ def run_once(root: Path, fixtures, items, run_dir: Path, stages: int, steps: int
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.to_json())
     started = time.time()
-    proc = subprocess.run([sys.executable, str(PACK_DIR / "training" / "entry.py"), "supervise", str(spec_path)],
+    proc = subprocess.run([sys.executable, str(PACK_DIR / "training" / "process" / "entry.py"), "supervise", str(spec_path)],
                           capture_output=True, text=True)
     events = read_all(run_dir)
     if proc.returncode != 0:

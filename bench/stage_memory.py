@@ -43,9 +43,10 @@ def _flux_file(root: Path, double_blocks: int, single_blocks: int) -> Path:
 
 
 def run_once(root: Path, model: Path, items, run_dir: Path, stages: int, steps: int) -> dict:
-    from pipetrainer.training.events import read_all
-    from pipetrainer.training.fingerprint import file_fingerprint
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, TrainSpec
+    from pipetrainer.training.model.fingerprint import file_fingerprint
+    from pipetrainer.training.process.events import read_all
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.run_spec import RunSpec
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -59,7 +60,7 @@ def run_once(root: Path, model: Path, items, run_dir: Path, stages: int, steps: 
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.to_json())
     started = time.time()
-    proc = subprocess.run([sys.executable, str(PACK_DIR / "training" / "entry.py"), "supervise", str(spec_path)],
+    proc = subprocess.run([sys.executable, str(PACK_DIR / "training" / "process" / "entry.py"), "supervise", str(spec_path)],
                           capture_output=True, text=True)
     events = read_all(run_dir)
     if proc.returncode != 0:

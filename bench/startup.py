@@ -49,7 +49,7 @@ def _native(workflow: dict, seed: int) -> dict:
 
 def _wait_for_warm_rank(folder, timeout_s: float = 90.0) -> float:
     """Seconds until the newest warm rank in ``folder`` reports its imports done (or the timeout)."""
-    from pipetrainer.training.warm import READY
+    from pipetrainer.training.process.warm_rank import READY
 
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     import_pack()
     from pipetrainer.devkit.fixtures import ensure_fixtures
     from pipetrainer.devkit.host import ComfyServer, ensure_host, history_error
-    from pipetrainer.training.comfy_env import use_comfyui
-    from pipetrainer.training.events import read_all
+    from pipetrainer.training.model.comfy_env import use_comfyui
+    from pipetrainer.training.process.events import read_all
 
     root = ensure_host()
     use_comfyui(root)

@@ -1,7 +1,7 @@
 """Worker peak RSS on the Flux-min fixture for each base format: bf16, fp8, scaled fp8, GGUF Q8_0.
 
 Usage: ``python -m pipetrainer.devkit.bench_quant_rss <work folder> [--gguf <ComfyUI-GGUF folder>]``
-(with the pack importable as ``pipetrainer``, e.g. through tests' conftest or training/entry.py's
+(with the pack importable as ``pipetrainer``, e.g. through tests' conftest or training/process/entry.py's
 ``import_pack``). Each format trains two steps (attention LoRA rank 4, bf16 compute, one stage) in the
 real process tree; the figure is the rank's ``peak_rss_mb`` from its ``rank_done`` event (whole
 process: Python, torch, DeepSpeed, PEFT, ComfyUI, the model). The quantized files are written from
@@ -97,15 +97,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--q4k", action="store_true", help="also GGUF Q4_K (random valid blocks)")
     args = parser.parse_args(argv)
 
-    from ..training.comfy_env import use_comfyui
+    from ..training.model.comfy_env import use_comfyui
     from .host import ensure_host
 
     root = Path(os.environ["COMFYUI_PATH"]) if os.environ.get("COMFYUI_PATH") else ensure_host()
     use_comfyui(root, "cpu")
     from ..tests.helpers import make_spec, run_training
     from ..training.cache.store import build_cache
-    from ..training.dataset import scan_dataset
-    from ..training.spec import LoraSpec
+    from ..training.data.dataset import scan_dataset
+    from ..training.spec.options import LoraSpec
     from . import fixtures, quant_fixtures
 
     paths = fixtures.ensure_fixtures(root, flux=True)

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         print(root)
         return 0
     if args.command == "fixtures":
-        from ..training.comfy_env import use_comfyui
+        from ..training.model.comfy_env import use_comfyui
         from .fixtures import ensure_fixtures
 
         use_comfyui(root)

@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..training.events import read_all
+from ..training.process.events import read_all
 from .fixtures import ensure_fixtures
 from .host import ComfyServer, ensure_host, history_error, output_images
 
@@ -21,7 +21,7 @@ def newest_run_dir(root: Path) -> Path | None:
 
 
 def run_demo(timeout_s: float = 900.0) -> int:
-    from ..training.comfy_env import use_comfyui
+    from ..training.model.comfy_env import use_comfyui
 
     root = ensure_host()
     use_comfyui(root)

@@ -13,8 +13,8 @@ from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
-from . import preflight
-from .progress_text import show_text
+from .checks import preflight
+from .run.progress_text import show_text
 from .types import CATEGORY, Cache, Dataset
 
 

@@ -14,9 +14,10 @@ import comfy.sd
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.fingerprint import file_fingerprint
-from ..training.model_source import model_options
-from ..training.spec import WEIGHT_DTYPES, ModelRecipe
+from ..training.model.fingerprint import file_fingerprint
+from ..training.model.model_source import model_options
+from ..training.spec.choices import WEIGHT_DTYPES
+from ..training.spec.options import ModelRecipe
 from .model_source import attach_recipe
 from .types import CATEGORY
 

@@ -9,9 +9,9 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
-from ..training.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
-from ..training.dataset_masks import FLIP_MODES, MASK_MODES
+from ..training.data.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
+from ..training.data.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
+from ..training.data.dataset_masks import FLIP_MODES, MASK_MODES
 from .types import CATEGORY, Dataset
 
 

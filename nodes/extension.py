@@ -6,10 +6,11 @@ from comfy_api.latest import ComfyExtension, io
 
 from .cache import PipeTrainerCache
 from .checkpoint_source import PipeTrainerLoadCheckpoint
-from .configs import PipeTrainerLoRA, PipeTrainerOptimizer
 from .dataset import PipeTrainerDataset
 from .gguf_source import PipeTrainerLoadGGUF
+from .lora_adapter import PipeTrainerLoRA
 from .model_source import PipeTrainerLoadDiffusionModel
+from .optimizer import PipeTrainerOptimizer
 from .preview_settings import PipeTrainerPreviewSettings
 from .regularization import PipeTrainerRegularization
 from .timesteps import PipeTrainerTimesteps

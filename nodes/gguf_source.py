@@ -14,9 +14,9 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io
 
-from ..training.fingerprint import file_fingerprint
+from ..training.model.fingerprint import file_fingerprint
 from ..training.quant.gguf import missing_gguf_message
-from ..training.spec import ModelRecipe
+from ..training.spec.options import ModelRecipe
 from .model_source import attach_recipe
 from .types import CATEGORY
 

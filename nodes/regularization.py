@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from comfy_api.latest import io
 
-from ..training.spec import RegularizationSpec, SpecError
+from ..training.spec.choices import SpecError
+from ..training.spec.options import RegularizationSpec
 from .types import CATEGORY, Cache
 
 RegularizationConfig = io.Custom("PIPETRAINER_REGULARIZATION")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..training.spec import LOSS_WEIGHTINGS, TIMESTEP_DISTRIBUTIONS, TIMESTEP_SHIFTS, TimestepSpec
+from ..training.spec.choices import LOSS_WEIGHTINGS, TIMESTEP_DISTRIBUTIONS, TIMESTEP_SHIFTS
+from ..training.spec.options import TimestepSpec
 from .types import CATEGORY, TimestepConfig
 
 

@@ -14,31 +14,25 @@ import folder_paths
 from comfy_api.latest import io, ui
 from safetensors.torch import load_file
 
-from ..training.adapters import adapter_target_problems
+from ..training.adapters.problems import adapter_target_problems
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.pipelines.options import options_from_inputs, parse_family_options
-from ..training.spec import (
-    PARTITION_METHODS,
-    TRAIN_DTYPES,
-    RegularizationSpec,
-    RunSpec,
-    SpecError,
-    TimestepSpec,
-    TrainSpec,
-    ValidationSpec,
-)
-from . import checkpoints, graph_patches, paths, preflight, run_messages, run_process
-from .launch import launch_settings, resolve_gpus
-from .loss_plot import as_image_tensor, loss_curve
+from ..training.spec.choices import PARTITION_METHODS, TRAIN_DTYPES, SpecError
+from ..training.spec.options import RegularizationSpec, TimestepSpec, TrainSpec, ValidationSpec
+from ..training.spec.run_spec import RunSpec
+from .checks import graph_patches, preflight
+from .checks.launch import launch_settings, resolve_gpus
+from .checks.stacked_loras import write_stacked_loras
 from .model_source import no_recipe_message, recipe_of
 from .preview_settings import PreviewConfig, preview_save_every
-from .preview_sheet import progress_sheet
-from .previews import PreviewRunner
-from .progress_text import show_text
 from .regularization import RegularizationConfig
-from .stacked_loras import write_stacked_loras
+from .run import checkpoints, paths, run_messages, run_process
+from .run.loss_plot import as_image_tensor, loss_curve
+from .run.preview_sheet import progress_sheet
+from .run.previews import PreviewRunner
+from .run.progress_text import show_text
+from .run.warm_pool import WarmPool
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig, ValidationConfig
-from .warm_pool import WarmPool
 
 PREVIEW_EVERY_S = 2.0
 # This ComfyUI process's pre-started training tree for the next run (state, not configuration).

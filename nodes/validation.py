@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from comfy_api.latest import io
 
-from ..training.spec import CacheItem, SpecError, ValidationSpec
-from ..training.validation import distinct_items, split_items, split_problems
+from ..training.data.validation import distinct_items, split_items, split_problems
+from ..training.spec.choices import SpecError
+from ..training.spec.options import CacheItem, ValidationSpec
 from .types import CATEGORY, Cache, ValidationConfig
 
 

@@ -44,7 +44,7 @@ def check_supported(engine_class: type | None = None) -> None:
 def _engine_class():
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from ..training.collectives import broadcast_trainable
+    from ..training.loop.collectives import broadcast_trainable
 
     class StageEngine(PipelineEngine):
         """A ``PipelineEngine`` whose start-up broadcast carries only trainable parameters."""

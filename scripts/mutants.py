@@ -4,7 +4,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_entry = Path(__file__).resolve().parent.parent / "training" / "entry.py"
+_entry = Path(__file__).resolve().parent.parent / "training" / "process" / "entry.py"
 _spec = importlib.util.spec_from_file_location("_pipetrainer_entry", _entry)
 _module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_module)

@@ -15,7 +15,7 @@ PACK_DIR = Path(__file__).resolve().parent.parent
 
 
 def _import_pack():
-    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "entry.py")
+    spec = importlib.util.spec_from_file_location("_pipetrainer_entry", PACK_DIR / "training" / "process" / "entry.py")
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     return entry.import_pack()
@@ -25,7 +25,7 @@ _import_pack()
 
 from pipetrainer.devkit.fixtures import FixturePaths, ensure_fixtures  # noqa: E402
 from pipetrainer.devkit.host import ComfyServer, ensure_host  # noqa: E402
-from pipetrainer.training.comfy_env import enable_comfy_training_mode, use_comfyui  # noqa: E402
+from pipetrainer.training.model.comfy_env import enable_comfy_training_mode, use_comfyui  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +96,7 @@ def encoders(comfy_root, fixture_paths):
 def demo_cache(encoders, fixture_paths, tmp_path_factory):
     """The demo dataset cached at 64 px (a CacheResult)."""
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.dataset import scan_dataset
 
     vae, clip = encoders
     dataset = scan_dataset(fixture_paths.dataset, 64)

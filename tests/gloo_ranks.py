@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ENTRY = Path(__file__).resolve().parent.parent / "training" / "entry.py"
+ENTRY = Path(__file__).resolve().parent.parent / "training" / "process" / "entry.py"
 RESULT_PREFIX = "RESULT "
 
 # The child imports the pack by path (its folder name is not a module name), then calls rank_main.

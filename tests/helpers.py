@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipetrainer.training.events import read_all
-from pipetrainer.training.fingerprint import file_fingerprint
-from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, TrainSpec
+from pipetrainer.training.model.fingerprint import file_fingerprint
+from pipetrainer.training.process.events import read_all
+from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 
 PACK_DIR = Path(__file__).resolve().parent.parent
-ENTRY = PACK_DIR / "training" / "entry.py"
+ENTRY = PACK_DIR / "training" / "process" / "entry.py"
 
 
 def make_spec(model_path: Path, items, run_dir: Path, comfy_root: Path, **train) -> RunSpec:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pipetrainer.training.lora_file import comfy_key_for, lora_state_dict
-from pipetrainer.training.lora_inject import inject_lora, named_lora_parameters
+from pipetrainer.training.adapters.inject import inject_lora, named_lora_parameters
+from pipetrainer.training.adapters.keys import comfy_key_for
+from pipetrainer.training.adapters.lora_file import lora_state_dict
 from pipetrainer.training.pipelines.base import Batch, adapter_for
-from pipetrainer.training.spec import LoraSpec
+from pipetrainer.training.spec.options import LoraSpec
 
 ADAPTER = "SD3"
 LINEARS = 37  # the tiny MMDiT's Linear layers in its blocks (4 blocks; the last text stream is pre-only)
@@ -135,8 +136,8 @@ def train_steps(patcher, adapter, layers, params, steps: int, compute: torch.dty
     """``steps`` AdamW steps (lr 3e-2) through the stage layers on one fixed batch (8 text tokens, since
     CPU bf16 and fp8 casts are slow); returns the losses. Each step checks that every LoRA parameter got a
     finite gradient; with ``compute``, also that the output is in it and the gradients are fp32."""
-    from pipetrainer.training.engine import _inputs_need_grad
-    from pipetrainer.training.loss import mse_loss
+    from pipetrainer.training.loop.engine import _inputs_need_grad
+    from pipetrainer.training.objective.loss import mse_loss
 
     optimizer = torch.optim.AdamW(params, lr=3e-2, weight_decay=0.0)
     x0, cond, pooled, noise, sigma = random_batch(tokens=8)

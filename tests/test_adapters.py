@@ -34,7 +34,7 @@ TOLERANCE = 1e-4
 def _stage(fixture_paths, lora, seed: int = 5):
     """The tiny MMDiT's stage layers with ``lora``'s adapters injected, named like a PipelineModule."""
     import comfy.sd
-    from pipetrainer.training.lora_inject import inject_lora
+    from pipetrainer.training.adapters.inject import inject_lora
     from pipetrainer.training.pipelines.base import adapter_for
 
     patcher = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
@@ -61,7 +61,7 @@ def _inputs(patcher, adapter):
 
 
 def _trainer_velocity(indexed, adapter, batch) -> torch.Tensor:
-    from pipetrainer.training.engine import _inputs_need_grad
+    from pipetrainer.training.loop.engine import _inputs_need_grad
 
     x = _inputs_need_grad(adapter.first_stage_inputs(batch))
     with torch.no_grad():
@@ -106,7 +106,7 @@ def _comfy_applied(model, tensors, inputs, caplog) -> torch.Tensor:
 
 def _randomise(stage, seed: int) -> None:
     """Every adapter factor gets N(0, 0.2²) values, fp32."""
-    from pipetrainer.training.lora_inject import named_lora_parameters
+    from pipetrainer.training.adapters.inject import named_lora_parameters
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -116,11 +116,11 @@ def _randomise(stage, seed: int) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_comfyui_loads_every_key_and_applies_the_trained_forward(case, fixture_paths, comfy_mmdit, caplog):
-    from pipetrainer.training.adapters import adapter_kind
-    from pipetrainer.training.health import LoraUntrained, check_lora_update
-    from pipetrainer.training.lora_file import stage_lora_tensors
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, named_lora_parameters
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, named_lora_parameters
+    from pipetrainer.training.adapters.kinds import adapter_kind
+    from pipetrainer.training.adapters.lora_file import stage_lora_tensors
+    from pipetrainer.training.loop.health import LoraUntrained, check_lora_update
+    from pipetrainer.training.spec.options import LoraSpec
 
     fields, present, absent = CASES[case]
     lora = LoraSpec(targets="all_linear", save_dtype="fp32", **fields)
@@ -164,9 +164,9 @@ def test_comfyui_loads_every_key_and_applies_the_trained_forward(case, fixture_p
 
 @pytest.mark.parametrize("adapter", ["lora", "lokr", "loha"])
 def test_a_bf16_file_is_torch_rounding_of_the_fp32_file(adapter, fixture_paths, tmp_path):
-    from pipetrainer.training.lora_file import atomic_save, stage_lora_tensors
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, named_lora_parameters
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, named_lora_parameters
+    from pipetrainer.training.adapters.lora_file import atomic_save, stage_lora_tensors
+    from pipetrainer.training.spec.options import LoraSpec
     from safetensors.torch import load_file
 
     lora = LoraSpec(rank=4, alpha=2.0, targets="attention", adapter=adapter, save_dtype="fp32")
@@ -197,7 +197,7 @@ def test_dora_is_not_offered_because_comfyui_applies_it_differently(comfy_root):
     DoRA and the type can be registered (training/adapters.py)."""
     from comfy.weight_adapter.base import weight_decompose
     from peft import LoraConfig, inject_adapter_in_model
-    from pipetrainer.training.spec import ADAPTER_TYPES
+    from pipetrainer.training.spec.choices import ADAPTER_TYPES
 
     assert "dora" not in ADAPTER_TYPES
     torch.manual_seed(0)
@@ -216,7 +216,7 @@ def test_dora_is_not_offered_because_comfyui_applies_it_differently(comfy_root):
 
 
 def test_lokr_and_loha_are_refused_on_quantized_layers_and_lora_is_not():
-    from pipetrainer.training.adapters import REGISTRY, quant_layer_problem
+    from pipetrainer.training.adapters.kinds import REGISTRY, quant_layer_problem
 
     names = ["joint_blocks.0.x_block.attn.qkv", "joint_blocks.0.x_block.mlp.fc1"]
     assert quant_layer_problem(REGISTRY["lora"], names) is None
@@ -228,8 +228,8 @@ def test_lokr_and_loha_are_refused_on_quantized_layers_and_lora_is_not():
 
 def test_adapter_type_has_no_problems_on_a_plain_model(fixture_paths):
     import comfy.sd
-    from pipetrainer.training.adapters import adapter_target_problems
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.problems import adapter_target_problems
+    from pipetrainer.training.spec.options import LoraSpec
 
     model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit)).model
     for adapter in ("lora", "lokr", "loha"):
@@ -237,7 +237,8 @@ def test_adapter_type_has_no_problems_on_a_plain_model(fixture_paths):
 
 
 def _run_spec(tmp_path, lora):
-    from pipetrainer.training.spec import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, RunSpec, TrainSpec
+    from pipetrainer.training.spec.options import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.run_spec import RunSpec
 
     return RunSpec(
         model=ModelRecipe("diffusion_model", "/m/model.safetensors", "default", "abc"),
@@ -247,8 +248,8 @@ def _run_spec(tmp_path, lora):
 
 
 def test_changing_the_adapter_type_refuses_resume_naming_the_field(tmp_path):
-    from pipetrainer.training.resume import check_resume, save_checkpoint_spec
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.loop.resume import check_resume, save_checkpoint_spec
+    from pipetrainer.training.spec.options import LoraSpec
 
     earlier = _run_spec(tmp_path, LoraSpec(adapter="lokr", factor=4))
     tag = tmp_path / "run" / "checkpoints" / "step0000002"
@@ -267,7 +268,8 @@ def test_a_spec_recorded_before_adapter_types_existed_keeps_its_hash(tmp_path):
     new fields at their defaults) must equal a LoRA run's today, or every old checkpoint is refused."""
     import hashlib
 
-    from pipetrainer.training.spec import LoraSpec, RunSpec
+    from pipetrainer.training.spec.options import LoraSpec
+    from pipetrainer.training.spec.run_spec import RunSpec
 
     spec = _run_spec(tmp_path, LoraSpec(rank=4, alpha=2.0))
     old = json.loads(spec.to_json())
@@ -281,7 +283,7 @@ def test_a_spec_recorded_before_adapter_types_existed_keeps_its_hash(tmp_path):
 
 
 def test_spec_problems_for_adapter_combinations(tmp_path):
-    from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+    from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 
     def problems(lora, **opt):
         spec = _run_spec(tmp_path, lora)
@@ -296,8 +298,8 @@ def test_spec_problems_for_adapter_combinations(tmp_path):
 
 
 def test_the_lora_adapter_node_offers_the_types_and_saves_bf16_by_default(comfy_root):
-    from pipetrainer.nodes.configs import PipeTrainerLoRA
-    from pipetrainer.training.spec import SpecError
+    from pipetrainer.nodes.lora_adapter import PipeTrainerLoRA
+    from pipetrainer.training.spec.choices import SpecError
 
     spec = PipeTrainerLoRA.execute(8, 8.0, 0.0, "attention_mlp").result[0]
     assert (spec.adapter, spec.save_dtype, spec.factor) == ("lora", "bf16", -1)
@@ -318,11 +320,11 @@ def test_lokr_on_a_per_layer_quantized_model_is_refused_in_preflight_and_at_inje
     """ComfyUI's per-layer-quantized Linears (not nn.Linear) take the project's LoRA only: preflight names
     them for lokr/loha, and injection (the training process) refuses with the same message."""
     from pipetrainer.devkit import quant_fixtures
-    from pipetrainer.training.adapters import adapter_target_problems
-    from pipetrainer.training.lora_inject import inject_lora
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.adapters.inject import inject_lora
+    from pipetrainer.training.adapters.problems import adapter_target_problems
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe
 
     path = quant_fixtures.write_per_layer(fixture_paths.mmdit, tmp_path / "mmdit-per-layer.safetensors")
     patcher = load_model(ModelRecipe("diffusion_model", str(path), "default"), "fp32")
@@ -346,7 +348,7 @@ def test_a_lokr_run_trains_and_saves_a_bf16_file_comfyui_loads(fixture_paths, co
     import comfy.lora
     import comfy.sd
     from pipetrainer.tests.helpers import losses, make_spec, run_training
-    from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+    from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -382,12 +384,12 @@ def test_lokr_and_loha_on_a_gguf_base_apply_in_comfyui_gguf_as_trained(adapter, 
     import comfy.sd
     from pipetrainer.devkit import quant_fixtures
     from pipetrainer.tests.quant_helpers import model_inputs, random_batch, run_layers, with_lora
-    from pipetrainer.training.lora_file import stage_lora_tensors
-    from pipetrainer.training.lora_inject import freeze_all_but_lora
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora
+    from pipetrainer.training.adapters.lora_file import stage_lora_tensors
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.pipelines.base import Batch
     from pipetrainer.training.quant.gguf import gguf_module
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe
 
     path = quant_fixtures.write_gguf(fixture_paths.mmdit, tmp_path / "mmdit-Q8_0.gguf", "Q8_0",
                                      original=tmp_path / "mmdit-original.safetensors")

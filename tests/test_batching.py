@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 import torch
-from pipetrainer.training.data import Example, MicroBatches, stack_text
+from pipetrainer.training.data.micro_batches import Example, MicroBatches, stack_text
 from pipetrainer.training.pipelines.base import adapter_for
-from pipetrainer.training.spec import TimestepSpec
+from pipetrainer.training.spec.options import TimestepSpec
 
 WIDTH = 768  # the tiny MMDiT's context and pooled width (CLIP-L)
 

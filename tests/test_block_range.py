@@ -16,7 +16,7 @@ FLUX_DEV_LISTS = [("double_blocks", 19), ("single_blocks", 38)]
 
 
 def test_plain_numbers_count_through_the_lists_and_named_items_use_each_lists_own():
-    from pipetrainer.training.block_range import parse_blocks, resolve_blocks
+    from pipetrainer.training.adapters.block_range import parse_blocks, resolve_blocks
 
     assert resolve_blocks("", FLUX_DEV_LISTS) == {"double_blocks": frozenset(range(19)),
                                                   "single_blocks": frozenset(range(38))}
@@ -38,7 +38,7 @@ def test_plain_numbers_count_through_the_lists_and_named_items_use_each_lists_ow
     ("1,,2", ["empty item"]),
 ])
 def test_bad_ranges_name_the_counts_or_the_fix(text, words):
-    from pipetrainer.training.block_range import BlockRangeError, resolve_blocks
+    from pipetrainer.training.adapters.block_range import BlockRangeError, resolve_blocks
 
     with pytest.raises(BlockRangeError) as info:
         resolve_blocks(text, [("double_blocks", 19), ("single_blocks", 38)] if text != "blocks:1" else
@@ -48,7 +48,7 @@ def test_bad_ranges_name_the_counts_or_the_fix(text, words):
 
 
 def test_restricted_regex_keeps_the_preset_and_only_the_chosen_blocks():
-    from pipetrainer.training.block_range import restrict_regex
+    from pipetrainer.training.adapters.block_range import restrict_regex
 
     regex = restrict_regex(r"(double_blocks|single_blocks)\.\d+\.(img_attn\.qkv|linear1)",
                            {"double_blocks": frozenset({1}), "single_blocks": frozenset({0, 10})})
@@ -68,10 +68,10 @@ def _oracle(dm, preset_regex, prefixes):
 
 def test_only_the_named_blocks_of_the_mmdit_get_adapters(fixture_paths):
     import comfy.sd
-    from pipetrainer.training.lora_inject import inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.inject import inject_lora, named_lora_parameters
     from pipetrainer.training.pipelines.base import adapter_for
     from pipetrainer.training.pipelines.targets import block_lists, run_target_regex
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     patcher = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
     family, dm = adapter_for("SD3"), patcher.model.diffusion_model
@@ -93,7 +93,7 @@ def test_two_block_lists_share_one_numbering(comfy_root, fixture_paths):
     from pipetrainer.tests.family_rows import all_rows
     from pipetrainer.training.pipelines.base import adapter_for
     from pipetrainer.training.pipelines.targets import block_lists, model_targets, run_target_regex
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     (row,) = [r for r in all_rows() if r.name == "HunyuanVideo"]
     model = row.load(comfy_root, fixture_paths)
@@ -108,8 +108,8 @@ def test_two_block_lists_share_one_numbering(comfy_root, fixture_paths):
 
 def test_an_out_of_range_block_is_a_preflight_error_naming_the_count(fixture_paths):
     import comfy.sd
-    from pipetrainer.training.adapters import adapter_target_problems
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.problems import adapter_target_problems
+    from pipetrainer.training.spec.options import LoraSpec
 
     model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit)).model
     (problem,) = adapter_target_problems(model, LoraSpec(blocks="2-4"))
@@ -120,8 +120,9 @@ def test_an_out_of_range_block_is_a_preflight_error_naming_the_count(fixture_pat
 
 
 def test_blocks_syntax_is_a_spec_and_node_problem_and_part_of_the_training_hash(tmp_path, comfy_root):
-    from pipetrainer.nodes.configs import PipeTrainerLoRA
-    from pipetrainer.training.spec import LoraSpec, RunSpec
+    from pipetrainer.nodes.lora_adapter import PipeTrainerLoRA
+    from pipetrainer.training.spec.options import LoraSpec
+    from pipetrainer.training.spec.run_spec import RunSpec
 
     assert any("not a block number" in p for p in LoraSpec(blocks="0-x").problems())
     assert "not a block number" in PipeTrainerLoRA.validate_inputs(blocks="first two")

@@ -33,8 +33,8 @@ def _sd3():
 def _stage_layers(fixture_paths):
     """The tiny MMDiT as the engine's layer list, with LoRA injected on every block (fixed seed)."""
     import comfy.sd
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.spec.options import LoraSpec
 
     adapter = _sd3()
     dm = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit)).model.diffusion_model
@@ -204,7 +204,7 @@ def test_blocks_to_swap_limits_per_stage():
     msg = blocks_to_swap_problem(3, [2, 4])
     assert "smallest stage has 2" in msg and "fewer pipeline stages" in msg
 
-    from pipetrainer.nodes.preflight import blocks_to_swap_problems
+    from pipetrainer.nodes.checks.preflight import blocks_to_swap_problems
 
     layout = [False, False, True, True, True, True, False]  # the MMDiT's: input prep, embed, 4 blocks, final
     assert blocks_to_swap_problems(4, layout, 1, "parameters") == []
@@ -216,7 +216,7 @@ def test_blocks_to_swap_limits_per_stage():
 
 
 def test_a_negative_blocks_to_swap_is_refused_by_the_spec(fixture_paths, comfy_root, demo_cache, tmp_path):
-    from pipetrainer.training.spec import SpecError
+    from pipetrainer.training.spec.choices import SpecError
 
     with pytest.raises(SpecError, match="blocks_to_swap must be >= 0"):
         make_spec(fixture_paths.mmdit, demo_cache.items[:1], tmp_path / "run", comfy_root, blocks_to_swap=-1)

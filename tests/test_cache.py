@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from pipetrainer.training.cache.reader import CacheReadError
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.data import load_examples
-from pipetrainer.training.dataset import BucketSettings, scan_dataset
+from pipetrainer.training.data.dataset import BucketSettings, scan_dataset
+from pipetrainer.training.data.micro_batches import load_examples
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from pipetrainer.training.cache.index import CacheIndex
 from pipetrainer.training.cache.keys import change_reason, encoder_signature, text_components, text_key
 from pipetrainer.training.cache.reader import read_entries
 from pipetrainer.training.cache.store import fill_cache
-from pipetrainer.training.data import load_examples
-from pipetrainer.training.dataset import scan_dataset
+from pipetrainer.training.data.dataset import scan_dataset
+from pipetrainer.training.data.micro_batches import load_examples
 
 _BYTES = {"BF16": 2, "F32": 4}
 

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.data import load_examples
-from pipetrainer.training.dataset import scan_dataset
+from pipetrainer.training.data.dataset import scan_dataset
+from pipetrainer.training.data.micro_batches import load_examples
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 
 _FILLER = """
 import importlib.util, json, sys
 pack, comfy_root, vae_path, clip_path, data, cache = sys.argv[1:7]
-spec = importlib.util.spec_from_file_location("_entry", pack + "/training/entry.py")
+spec = importlib.util.spec_from_file_location("_entry", pack + "/training/process/entry.py")
 entry = importlib.util.module_from_spec(spec); spec.loader.exec_module(entry); entry.import_pack()
 from pipetrainer.training.comfy_env import use_comfyui
 use_comfyui(comfy_root, "cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.dataset import BucketSettings, scan_dataset
+from pipetrainer.training.data.dataset import BucketSettings, scan_dataset
 
 
 def _helpers():

@@ -17,10 +17,11 @@ import pytest
 import torch
 from PIL import Image
 from pipetrainer.tests.helpers import BatchCapture
-from pipetrainer.training.captions import CaptionOptions, shuffle_tags, split_tags
-from pipetrainer.training.data import Example, MicroBatches, TextChoice
-from pipetrainer.training.dataset import DatasetError, scan_dataset
-from pipetrainer.training.spec import CacheItem, RunSpec, TimestepSpec
+from pipetrainer.training.data.captions import CaptionOptions, shuffle_tags, split_tags
+from pipetrainer.training.data.dataset import DatasetError, scan_dataset
+from pipetrainer.training.data.micro_batches import Example, MicroBatches, TextChoice
+from pipetrainer.training.spec.options import CacheItem, TimestepSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 
 CAPTIONS = {
     "a": "ohwx, red hair, smiling, outdoors, blue sky, looking at viewer, short sleeves, tree",
@@ -62,7 +63,7 @@ def test_shuffled_variants_keep_the_first_tags_and_permute_the_rest():
 
 
 def test_caption_option_problems_are_reported_together(tmp_path):
-    from pipetrainer.training.dataset import BucketSettings
+    from pipetrainer.training.data.dataset import BucketSettings
 
     with pytest.raises(DatasetError) as err:
         scan_dataset(tmp_path, 32, buckets=BucketSettings(resolutions=(8,)),
@@ -145,7 +146,7 @@ def test_dropout_zero_and_one_and_the_last_stage():
 
 # ---- the spec carries the options --------------------------------------------------------------
 def test_items_carry_validated_caption_options_through_json(tmp_path):
-    from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
 
     def spec(*items):
         return RunSpec(ModelRecipe("diffusion_model", str(tmp_path / "m.safetensors")), tuple(items), LoraSpec(),
@@ -207,7 +208,7 @@ def umt5_encoders(comfy_root, fixture_paths):
 
 
 def _built(model, items, micros: int, seed: int = 3):
-    from pipetrainer.training.data import load_examples
+    from pipetrainer.training.data.micro_batches import load_examples
     from pipetrainer.training.pipelines.base import adapter_for
 
     adapter = adapter_for("Wan")
@@ -278,7 +279,7 @@ def test_caption_choices_leave_the_noise_alone(tag_data, umt5_encoders, tiny_wan
         assert torch.equal(a.noisy, b.noisy) and torch.equal(a.timestep, b.timestep)
     assert any(not torch.equal(a.cond, b.cond) for a, b in zip(plain_batches, varied_batches, strict=True))
     # and the texts trained are the choices of MicroBatches.captioned (its own generator), not other draws
-    from pipetrainer.training.data import load_examples, stack_text
+    from pipetrainer.training.data.micro_batches import load_examples, stack_text
 
     chooser = _batches(load_examples(on.items), seed=3)
     for micro, b in enumerate(varied_batches):

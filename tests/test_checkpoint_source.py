@@ -17,8 +17,8 @@ import pytest
 import torch
 from pipetrainer.devkit import quant_fixtures
 from pipetrainer.devkit.host import history_error, output_images
-from pipetrainer.training.model_source import CHECKPOINT_PREFIX, load_model
-from pipetrainer.training.spec import ModelRecipe
+from pipetrainer.training.model.model_source import CHECKPOINT_PREFIX, load_model
+from pipetrainer.training.spec.options import ModelRecipe
 from safetensors.torch import load_file
 
 CHECKPOINT = "pipetrainer-tiny-sd3-checkpoint.safetensors"

@@ -38,8 +38,8 @@ def detected_on_meta(network: torch.nn.Module):
 
 
 def test_captions_of_different_lengths_train_as_if_sampled_alone(comfy_root):
-    from pipetrainer.training.data import stack_text
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.data.micro_batches import stack_text
+    from pipetrainer.training.objective.loss import noisy_input_and_target
 
     model = chroma_small().model
     adapter = adapter_for("Chroma")

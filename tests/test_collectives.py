@@ -30,7 +30,7 @@ STOP_CASES = [(False, False), (False, True), (True, False), (True, True)]  # (ra
 
 # ---- run on every rank (imported in the rank processes) -----------------------------------------
 def stop_decisions(rank: int, world: int) -> list[bool]:
-    from pipetrainer.training.collectives import any_rank_requests_stop
+    from pipetrainer.training.loop.collectives import any_rank_requests_stop
 
     return [any_rank_requests_stop(case[rank], None, torch.device("cpu")) for case in STOP_CASES]
 
@@ -45,7 +45,7 @@ def _grads(rank: int) -> list[torch.Tensor]:
 def clip_step(rank: int, world: int) -> dict:
     """One SGD step (lr 1) through the clipping hook the engine registers, over the stage group."""
     import torch.distributed as dist
-    from pipetrainer.training.clipping import GlobalNormClipping
+    from pipetrainer.training.optim.clipping import GlobalNormClipping
 
     grads = _grads(rank)
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
@@ -60,7 +60,7 @@ def clip_step(rank: int, world: int) -> dict:
 
 def gathered_objects(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from pipetrainer.training.collectives import all_gather_objects, gather_objects_to_rank0
+    from pipetrainer.training.loop.collectives import all_gather_objects, gather_objects_to_rank0
 
     return {"to_rank0": gather_objects_to_rank0({"rank": rank}),
             "all": all_gather_objects(10 * rank, dist.group.WORLD)}

@@ -9,9 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from pipetrainer.training.events import read_all
-from pipetrainer.training.resume import ResumeCheck, check_resume, save_checkpoint_spec
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec, SpecError
+from pipetrainer.training.loop.resume import ResumeCheck, check_resume, save_checkpoint_spec
+from pipetrainer.training.process.events import read_all
+from pipetrainer.training.spec.choices import SpecError
+from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 
 SETTINGS = dict(batch_size=1, gradient_accumulation=1, seed=0, training_dtype="fp32", gradient_checkpointing=False,
                 pipeline_stages=1, partition_method="parameters")
@@ -39,7 +40,7 @@ def tiny_model(fixture_paths):
 @pytest.fixture(scope="module")
 def first_run(node, tiny_model, demo_cache):
     """A 2-step run at LR 1e-3 with a checkpoint after each step; yields (name, run dir)."""
-    from pipetrainer.nodes import paths
+    from pipetrainer.nodes.run import paths
 
     name = f"continue_{secrets.token_hex(3)}"
     node.execute(tiny_model, demo_cache, LORA, OptimizerSpec(lr=1e-3, weight_decay=0.0), name, steps=2,
@@ -65,7 +66,7 @@ def test_the_node_lists_each_complete_checkpoint(node, first_run):
 
 
 def test_a_changed_lr_continues_from_the_chosen_step_with_a_warning(node, tiny_model, demo_cache, first_run):
-    from pipetrainer.nodes import paths
+    from pipetrainer.nodes.run import paths
 
     name, first_dir = first_run
     out = node.execute(tiny_model, demo_cache, LORA, OptimizerSpec(lr=5e-4, weight_decay=0.0), name, steps=3,
@@ -88,7 +89,7 @@ def test_a_changed_lr_continues_from_the_chosen_step_with_a_warning(node, tiny_m
 
 
 def test_a_changed_rank_is_refused_before_anything_starts(node, tiny_model, demo_cache, first_run):
-    from pipetrainer.nodes import paths
+    from pipetrainer.nodes.run import paths
 
     name, first_dir = first_run
     before = sorted(Path(paths.runs_root()).glob(f"{name}-*"))

@@ -16,10 +16,10 @@ import torch
 from PIL import Image, ImageOps
 from pipetrainer.tests.helpers import BatchCapture
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.data import MicroBatches, bucket_groups, load_examples
-from pipetrainer.training.dataset import DatasetError, pair_references, scan_dataset
+from pipetrainer.training.data.dataset import DatasetError, pair_references, scan_dataset
+from pipetrainer.training.data.micro_batches import MicroBatches, bucket_groups, load_examples
 from pipetrainer.training.pipelines.base import ExtraSpec, adapter_for, reference_extra
-from pipetrainer.training.spec import TimestepSpec
+from pipetrainer.training.spec.options import TimestepSpec
 
 
 # ---- pairing (pure) ---------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_the_adapter_gets_processed_references_of_its_own_items(edit_base, encod
 
 # ---- preflight ---------------------------------------------------------------------------------
 def test_preflight_checks_a_cache_against_the_required_references(edit_base, demo_cache, encoders):
-    from pipetrainer.nodes.preflight import read_cached_shapes
+    from pipetrainer.nodes.checks.preflight import read_cached_shapes
     from pipetrainer.training.pipelines.checks import extra_problems
 
     one = {reference_extra(0): ExtraSpec(("C", "H", "W"), is_latent=True, description="a reference image")}

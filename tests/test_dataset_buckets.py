@@ -13,9 +13,9 @@ from pipetrainer.training.cache.buckets import (
     nearest_bucket,
     plan_buckets,
 )
-from pipetrainer.training.data import Example, MicroBatches
-from pipetrainer.training.dataset import BucketSettings, DatasetError, scan_dataset
-from pipetrainer.training.spec import TimestepSpec
+from pipetrainer.training.data.dataset import BucketSettings, DatasetError, scan_dataset
+from pipetrainer.training.data.micro_batches import Example, MicroBatches
+from pipetrainer.training.spec.options import TimestepSpec
 
 
 def test_buckets_are_log_spaced_and_rounded_to_the_multiple():
@@ -97,7 +97,7 @@ def test_single_bucket_keeps_the_plain_epoch_order():
 
 
 def test_folder_fingerprint_follows_file_changes(tmp_path):
-    from pipetrainer.training.dataset import folder_fingerprint
+    from pipetrainer.training.data.dataset import folder_fingerprint
 
     (tmp_path / "a.png").write_bytes(b"x")
     (tmp_path / "a.txt").write_text("one", encoding="utf-8")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from pipetrainer.tests.helpers import make_spec
-from pipetrainer.training.deaths import (
+from pipetrainer.training.process.deaths import (
     HOST_MEMORY,
     DeathWatch,
     killed_in_log,
@@ -30,10 +30,10 @@ from pipetrainer.training.deaths import (
     oom_kills,
     parse_kmsg_record,
 )
-from pipetrainer.training.events import EventWriter, read_all
-from pipetrainer.training.rank import EXIT_FAILED
-from pipetrainer.training.spec import OptimizerSpec
-from pipetrainer.training.supervisor import watch_ranks
+from pipetrainer.training.process.events import EventWriter, read_all
+from pipetrainer.training.process.rank import EXIT_FAILED
+from pipetrainer.training.process.supervisor import watch_ranks
+from pipetrainer.training.spec.options import OptimizerSpec
 
 # ---- the kernel's formats ----------------------------------------------------------------------
 V2_EVENTS = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"
@@ -234,7 +234,7 @@ def test_a_rank_killed_by_a_signal_is_the_origin_even_when_its_peer_reported_fir
 
 # ---- a diverged loss and an untrained LoRA, in real runs ---------------------------------------
 def _run_through_the_node_launcher(spec):
-    from pipetrainer.nodes import run_process
+    from pipetrainer.nodes.run import run_process
 
     handle = run_process.launch(spec)
     code = run_process.follow(handle, lambda e: None, lambda: False)

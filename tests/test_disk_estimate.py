@@ -38,8 +38,8 @@ def _saved_file(mmdit, lora, path) -> None:
     element count does not depend on them)."""
     import copy
 
-    from pipetrainer.training.lora_file import atomic_save, stage_lora_tensors
-    from pipetrainer.training.lora_inject import inject_lora
+    from pipetrainer.training.adapters.inject import inject_lora
+    from pipetrainer.training.adapters.lora_file import atomic_save, stage_lora_tensors
     from pipetrainer.training.pipelines.base import adapter_for
     from pipetrainer.training.pipelines.targets import run_target_regex
 
@@ -71,9 +71,9 @@ def _file_counts(path) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_estimate_counts_the_parameters_the_saved_file_holds(case, mmdit, tmp_path):
-    from pipetrainer.nodes.preflight import lora_parameter_count
+    from pipetrainer.nodes.checks.preflight import lora_parameter_count
     from pipetrainer.training.pipelines import checks
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     lora = LoraSpec(targets="all_linear", save_dtype="bf16", alpha=4.0, **CASES[case])
     path = tmp_path / "adapter.safetensors"
@@ -97,7 +97,7 @@ def _peft_count(lora, fan_in: int, fan_out: int) -> int:
     """The oracle: the parameters PEFT itself gives a Linear of that shape with the type's registry config
     (on the meta device: nothing allocated)."""
     from peft import inject_adapter_in_model
-    from pipetrainer.training.adapters import adapter_kind, split_adapter_name
+    from pipetrainer.training.adapters.kinds import adapter_kind, split_adapter_name
 
     kind = adapter_kind(lora.adapter)
     with torch.device("meta"):
@@ -119,9 +119,9 @@ def test_each_type_s_count_rule_is_peft_s_own_layer(adapter, ranks, factors):
     """The rules preflight uses (no PEFT in the ComfyUI process) against PEFT's layers, over shapes
     with square, prime, lopsided and full-size dims, ranks around LoKr's whole-or-decomposed switch and
     factors that do and do not divide."""
-    from pipetrainer.training.adapter_size import PER_LINEAR
-    from pipetrainer.training.adapters import REGISTRY
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.kinds import REGISTRY
+    from pipetrainer.training.adapters.size import PER_LINEAR
+    from pipetrainer.training.spec.options import LoraSpec
 
     assert set(PER_LINEAR) == set(REGISTRY)
     for rank in ranks:

@@ -12,7 +12,7 @@ import psutil
 from PIL import Image
 from pipetrainer.devkit.host import history_error, output_images
 from pipetrainer.tests.ui_client import NodeTexts
-from pipetrainer.training.events import read_all
+from pipetrainer.training.process.events import read_all
 from safetensors.torch import load_file
 
 WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_tiny_mmdit.json"

@@ -19,7 +19,7 @@ from PIL import Image
 from pipetrainer.training.cache import reference_prompt
 from pipetrainer.training.cache.reader import read_entries
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.dataset import scan_dataset
+from pipetrainer.training.data.dataset import scan_dataset
 from pipetrainer.training.pipelines.qwen_image_prompt import EDIT, EDIT_PLUS
 
 CAPTIONS = {"a": "make the sky red", "b": "swap the two objects"}
@@ -216,7 +216,7 @@ def test_the_cache_node_encodes_with_references_by_default_and_refuses_a_mismatc
 def test_caption_dropout_of_an_edit_item_is_the_empty_prompt_with_its_references(edit_data, encoders, vl_clip):
     """An edit model never sees its prompt without the images: the dropped caption of each item is ComfyUI's
     TextEncodeQwenImageEditPlus of "" with that item's references (what its negative prompt is)."""
-    from pipetrainer.training.captions import CaptionOptions
+    from pipetrainer.training.data.captions import CaptionOptions
 
     vae, _ = encoders
     dataset = scan_dataset(edit_data / "data", 64, control_folder=edit_data / "control",

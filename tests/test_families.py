@@ -27,7 +27,8 @@ from pipetrainer.tests.family_rows import Row, all_rows
 from pipetrainer.tests.family_rows.common import collect_warnings
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for, known_families
-from pipetrainer.training.spec import TARGET_PRESETS, CacheItem, LoraSpec
+from pipetrainer.training.spec.choices import TARGET_PRESETS
+from pipetrainer.training.spec.options import CacheItem, LoraSpec
 
 ROWS = all_rows()
 BY_NAME = {row.name: row for row in ROWS}
@@ -58,7 +59,7 @@ def row(request) -> Row:
 
 def _example(row: Row, model, seed: int = 0):
     """``(noisy, sigma, cond, pooled, Noised, extras, clean)`` of one seeded example, built as the trainer builds it."""
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
 
     adapter = adapter_for(row.family)
     dm = model.diffusion_model
@@ -91,7 +92,7 @@ def _comfy_denoised(model, noisy, sigma, cond, pooled, row: Row, options, extras
 
 def _with_lora(adapter, layers, preset: str, rank: int = 4, alpha: float = 2.0, seed: int = 3):
     """PEFT LoRA in the stage layers (as the trainer injects it), with seeded non-zero B."""
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
 
     lora = LoraSpec(rank=rank, alpha=alpha, targets=preset)
     indexed = list(enumerate(layers, start=1))
@@ -132,7 +133,7 @@ def test_lora_gradients_match_finite_differences(row, comfy_root, fixture_paths)
     eps 1e-2 forward rounding leaves the central difference good to ~1e-3 relative; RTOL allows 5x
     that. Wrong gradients (in-place residual adds under checkpointing, a lost LoRA scale) are off by
     factors, not per mille."""
-    from pipetrainer.training.lora_inject import named_lora_parameters
+    from pipetrainer.training.adapters.inject import named_lora_parameters
 
     model = _load(row, comfy_root, fixture_paths).model
     adapter = adapter_for(row.family)
@@ -188,7 +189,7 @@ def test_every_preset_has_targets_and_stage_layers_agree_with_the_model(row, com
 def test_saved_lora_is_consumed_by_comfyui_and_reproduces_the_trainers_forward(row, comfy_root, fixture_paths):
     import comfy.lora
     import comfy.sd
-    from pipetrainer.training.lora_file import stage_lora_tensors
+    from pipetrainer.training.adapters.lora_file import stage_lora_tensors
 
     trainer = _load(row, comfy_root, fixture_paths)
     reference = _load(row, comfy_root, fixture_paths)
@@ -225,8 +226,8 @@ def test_saved_lora_is_consumed_by_comfyui_and_reproduces_the_trainers_forward(r
 
 
 def test_default_sigmas_follow_the_models_schedule(row, comfy_root, fixture_paths):
-    from pipetrainer.training.spec import TimestepSpec
-    from pipetrainer.training.timesteps import sample_sigmas
+    from pipetrainer.training.objective.timesteps import sample_sigmas
+    from pipetrainer.training.spec.options import TimestepSpec
 
     ms = _load(row, comfy_root, fixture_paths).model.model_sampling
     q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)

@@ -14,7 +14,7 @@ from pipetrainer.tests.family_rows.qwen_image import qwen_image_small
 from pipetrainer.tests.family_rows.wan import ROWS as T2V_ROWS
 from pipetrainer.tests.family_rows.wan_video import ROWS as VIDEO_ROWS
 from pipetrainer.training.pipelines import checks
-from pipetrainer.training.spec import TimestepSpec
+from pipetrainer.training.spec.options import TimestepSpec
 
 WAN = {row.name: row for row in (*T2V_ROWS, *VIDEO_ROWS)}
 LAYOUTS = [("Wan", "T2V"), ("Wan22-I2V", "I2V"), ("Wan21-I2V", "I2V"), ("Wan22-TI2V", "TI2V")]
@@ -69,9 +69,9 @@ RANGES = [
 @pytest.mark.parametrize(("expert", "boundary", "lo", "hi", "empty"), RANGES)
 def test_an_empty_expert_range_is_refused_exactly_where_training_would_fail(expert, boundary, lo, hi, empty,
                                                                           comfy_root, fixture_paths):
+    from pipetrainer.training.objective.timesteps import family_timesteps
     from pipetrainer.training.pipelines.base import adapter_for
     from pipetrainer.training.pipelines.wan import WanOptions
-    from pipetrainer.training.timesteps import family_timesteps
 
     model = _wan("Wan22-I2V", comfy_root, fixture_paths)
     timesteps = TimestepSpec(sigma_min=lo, sigma_max=hi)

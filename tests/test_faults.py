@@ -22,12 +22,12 @@ import psutil
 import pytest
 import torch
 from pipetrainer.tests.helpers import losses, make_spec
-from pipetrainer.training.events import read_all, stop_path
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+from pipetrainer.training.process.events import read_all, stop_path
+from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 from safetensors.torch import load_file
 
 PACK_DIR = Path(__file__).resolve().parent.parent
-ENTRY = PACK_DIR / "training" / "entry.py"
+ENTRY = PACK_DIR / "training" / "process" / "entry.py"
 NODE_ERROR_WITHIN_S = 30.0
 
 
@@ -94,8 +94,8 @@ def tiny_model(fixture_paths):
 @pytest.mark.slow
 def test_sigkill_of_a_rank_fails_the_node_fast_with_the_log_tail(tiny_model, demo_cache):
     """2-stage run through the Train node; rank 1 is SIGKILLed mid-step after a save."""
-    from pipetrainer.nodes import paths
-    from pipetrainer.nodes.run_process import TrainingFailed
+    from pipetrainer.nodes.run import paths
+    from pipetrainer.nodes.run.run_process import TrainingFailed
     from pipetrainer.nodes.train import PipeTrainerTrain
 
     name = f"faults-sigkill-{secrets.token_hex(3)}"
@@ -145,7 +145,7 @@ def test_sigkill_of_a_rank_fails_the_node_fast_with_the_log_tail(tiny_model, dem
 @pytest.mark.slow
 def test_sigkill_of_the_supervisor_takes_its_ranks_down(fixture_paths, comfy_root, demo_cache, tmp_path):
     """The supervisor itself dies: its ranks follow (PR_SET_PDEATHSIG) and the node reports the exit code."""
-    from pipetrainer.nodes import run_process
+    from pipetrainer.nodes.run import run_process
 
     spec = make_spec(fixture_paths.mmdit, demo_cache.items, tmp_path / "run", comfy_root, steps=400,
                      pipeline_stages=2, gradient_checkpointing=False)
@@ -314,7 +314,7 @@ def test_two_trainings_at_once_share_no_port_run_dir_or_temp_file(fixture_paths,
     Both train until each has done a few steps while the other is also training, then both are stopped
     (the stop file), so the overlap does not depend on how fast either starts on a loaded machine.
     """
-    from pipetrainer.nodes import paths, run_process
+    from pipetrainer.nodes.run import paths, run_process
 
     name = f"faults-twin-{secrets.token_hex(3)}"
     run_dirs = [Path(paths.new_run_dir(name)), Path(paths.new_run_dir(name))]

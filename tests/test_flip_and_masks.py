@@ -18,12 +18,12 @@ from PIL import Image, ImageOps
 from pipetrainer.training.cache.masks import FLIPPED_LATENT, LOSS_MASK
 from pipetrainer.training.cache.reader import read_entries
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.data import Example, MicroBatches, load_examples
-from pipetrainer.training.dataset import DatasetError, scan_dataset
-from pipetrainer.training.dataset_masks import pair_masks
-from pipetrainer.training.loss import mse_loss
+from pipetrainer.training.data.dataset import DatasetError, scan_dataset
+from pipetrainer.training.data.dataset_masks import pair_masks
+from pipetrainer.training.data.micro_batches import Example, MicroBatches, load_examples
+from pipetrainer.training.objective.loss import mse_loss
 from pipetrainer.training.pipelines.base import adapter_for
-from pipetrainer.training.spec import TimestepSpec
+from pipetrainer.training.spec.options import TimestepSpec
 
 SIZE = 64  # the bucket size: sources are written at it, so the oracles need no resize
 
@@ -218,7 +218,7 @@ def test_a_video_clip_caches_one_area_averaged_mask_and_a_mirrored_clip_latent(e
     import av
     import torch.nn.functional as F
     from pipetrainer.devkit.fixtures_video import tiny_wan21_vae
-    from pipetrainer.training.dataset import BucketSettings
+    from pipetrainer.training.data.dataset import BucketSettings
 
     width, height = 48, 16  # the 3:1 bucket at resolution 32 with ratios up to 3: no resize, no crop
     data, masks = tmp_path / "data", tmp_path / "masks"
@@ -363,7 +363,7 @@ def test_a_real_run_with_flip_and_masks_is_alike_on_one_and_two_stages(cached, f
     that chose differently would give a 2-stage run another loss than the 1-stage run. The masked,
     flipped cache must also train differently from the plain one (the variants reach the ranks)."""
     from pipetrainer.tests.helpers import losses, make_spec, run_training
-    from pipetrainer.training.rank import EXIT_OK
+    from pipetrainer.training.process.rank import EXIT_OK
 
     _, plain, variants = cached
     runs = {}

@@ -21,13 +21,13 @@ import torch
 import torch.utils.checkpoint
 from pipetrainer.devkit.fixtures import flux_params
 from pipetrainer.tests.helpers import losses
-from pipetrainer.training.data import load_examples
-from pipetrainer.training.lora_file import atomic_save, lora_state_dict
-from pipetrainer.training.lora_inject import inject_lora, named_lora_parameters
+from pipetrainer.training.adapters.inject import inject_lora, named_lora_parameters
+from pipetrainer.training.adapters.lora_file import atomic_save, lora_state_dict
+from pipetrainer.training.data.micro_batches import load_examples
 from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for
 from pipetrainer.training.pipelines.flux import FluxAdapter, FluxOptions
 from pipetrainer.training.pipelines.targets import layer_targets, model_targets
-from pipetrainer.training.spec import LoraSpec
+from pipetrainer.training.spec.options import LoraSpec
 from safetensors import safe_open
 from safetensors.torch import load_file
 

@@ -40,7 +40,7 @@ def _flux2_full(**params) -> torch.nn.Module:
 
 
 def _staged(model, adapter, noisy, sigma, cond, options):
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
 
     ms = model.model_sampling
     network_input = ms.calculate_input(sigma.view(-1, 1, 1, 1), noisy)
@@ -53,7 +53,7 @@ def _staged(model, adapter, noisy, sigma, cond, options):
 
 @pytest.mark.parametrize("guidance_embed", [True, False], ids=["dev", "klein"])
 def test_short_captions_are_left_padded_to_512_tokens_like_comfyui(comfy_root, guidance_embed):
-    from pipetrainer.training.data import stack_text
+    from pipetrainer.training.data.micro_batches import stack_text
 
     model = flux2_small(guidance_embed=guidance_embed).model
     adapter = adapter_for("Flux2")

@@ -50,7 +50,7 @@ def _load_as_comfyui_does(**params):
 
 def test_longcat_image_loads_as_flux_and_is_refused_by_name(comfy_root):
     _needs_fields("txt_ids_dims")
-    from pipetrainer.nodes.preflight import model_support_problems
+    from pipetrainer.nodes.checks.preflight import model_support_problems
 
     # LongCat-Image's layout: a 3584-wide (Qwen2.5-VL) context, no pooled vector, no guidance embedding.
     patcher = _load_as_comfyui_does(context_in_dim=3584, txt_ids_dims=[1, 2])
@@ -66,7 +66,7 @@ def test_longcat_image_loads_as_flux_and_is_refused_by_name(comfy_root):
 
 def test_ovis_image_loads_as_flux_and_is_refused_by_name(comfy_root):
     _needs_fields("txt_ids_dims", "txt_norm", "yak_mlp")
-    from pipetrainer.nodes.preflight import model_support_problems
+    from pipetrainer.nodes.checks.preflight import model_support_problems
 
     # Ovis-Image's layout: a text RMSNorm (txt_norm.*) and gated MLPs (*_mlp.gate_proj); ComfyUI's
     # detection then also sets its text rotary positions.
@@ -83,7 +83,7 @@ def test_ovis_image_loads_as_flux_and_is_refused_by_name(comfy_root):
 def test_a_plain_flux1_of_the_same_size_is_not_refused(comfy_root):
     """The refusals key on the relatives' features, not on anything every tiny Flux has."""
     from comfy.ldm.flux.model import FluxParams
-    from pipetrainer.nodes.preflight import model_support_problems
+    from pipetrainer.nodes.checks.preflight import model_support_problems
 
     if "txt_ids_dims" not in {f.name for f in dataclasses.fields(FluxParams)}:
         pytest.skip("this ComfyUI's Flux detection pins 24 heads (as 0.3.75 does): no tiny Flux loads")
@@ -113,8 +113,8 @@ def test_preflight_reports_a_refused_flux_model_instead_of_raising(comfy_root, t
 
     import comfy.model_patcher
     import comfy.supported_models
-    from pipetrainer.nodes.preflight import model_support_problems, train_problems
-    from pipetrainer.training.spec import LoraSpec, TrainSpec
+    from pipetrainer.nodes.checks.preflight import model_support_problems, train_problems
+    from pipetrainer.training.spec.options import LoraSpec, TrainSpec
 
     config = comfy.supported_models.Flux(flux_params(
         image_model="flux", in_channels=8, out_channels=4, vec_in_dim=8, context_in_dim=8, hidden_size=64,

@@ -21,7 +21,7 @@ import torch
 from pipetrainer.training.cache.buckets import Bucket
 from pipetrainer.training.cache.start_image import StartImage
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.dataset import BucketSettings, scan_dataset
+from pipetrainer.training.data.dataset import BucketSettings, scan_dataset
 
 SETTINGS = BucketSettings(resolutions=(32,), min_ratio=0.5, max_ratio=2.0, count=3, max_frames=33, fps=7.0)
 VIDEO_BUCKET = Bucket(48, 16, 5)  # 24 frames at 24 fps sampled at 7 fps: 7 frames -> the 4k+1 bucket of 5
@@ -97,7 +97,7 @@ def i2v(encoders, tmp_path_factory):
 
 
 def _by_source(result) -> dict[str, object]:
-    from pipetrainer.training.data import load_examples
+    from pipetrainer.training.data.micro_batches import load_examples
 
     return {Path(i.source).name: (i, e) for i, e in zip(result.items, load_examples(result.items), strict=True)}
 
@@ -203,7 +203,7 @@ def _wan_inputs(model_type: str, in_dim: int):
 
 
 def test_preflight_names_the_cache_option_and_refuses_a_start_image_for_text_to_video(i2v):
-    from pipetrainer.nodes.preflight import read_cached_shapes
+    from pipetrainer.nodes.checks.preflight import read_cached_shapes
     from pipetrainer.training.pipelines.checks import cache_vs_model_problems
 
     shapes = {m: read_cached_shapes(r.items) for m, r in i2v["results"].items()}

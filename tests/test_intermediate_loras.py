@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from pipetrainer.training.events import read_all
-from pipetrainer.training.lora_file import link_or_copy, step_lora_name
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+from pipetrainer.training.adapters.lora_file import link_or_copy, step_lora_name
+from pipetrainer.training.process.events import read_all
+from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 from safetensors.torch import load_file
 
 
@@ -35,7 +35,7 @@ def cold_node():
 
 
 def _cleanup(name: str) -> None:
-    from pipetrainer.nodes import paths
+    from pipetrainer.nodes.run import paths
 
     for run in Path(paths.runs_root()).glob(f"{name}-*"):
         shutil.rmtree(run, ignore_errors=True)
@@ -46,7 +46,7 @@ def _cleanup(name: str) -> None:
 def test_each_save_is_listed_by_the_lora_loader_and_loads_every_key(cold_node, tiny_model, demo_cache, caplog):
     import comfy.sd
     import folder_paths
-    from pipetrainer.nodes import paths
+    from pipetrainer.nodes.run import paths
 
     name = f"steps_{secrets.token_hex(3)}"
     settings = dict(steps=4, batch_size=1, gradient_accumulation=1, seed=0, save_every=2, training_dtype="fp32",

@@ -24,13 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch  # module scope: torch.library reads the custom op's (string) annotations from here
-from pipetrainer.training.launch_settings import (
-    LaunchSettings,
-    cuda_names,
-    plan_rank_args,
-    settings_from_args,
-)
-from pipetrainer.training.spec import RunSpec, SpecError
+from pipetrainer.training.model.launch_settings import LaunchSettings, cuda_names, plan_rank_args, settings_from_args
+from pipetrainer.training.spec.choices import SpecError
+from pipetrainer.training.spec.run_spec import RunSpec
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -81,7 +77,7 @@ def test_cuda_names_follow_comfyuis_visible_devices():
 
 # ---- the spec -------------------------------------------------------------------------------------
 def _base_spec(tmp_path: Path) -> RunSpec:
-    from pipetrainer.training.spec import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.options import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
 
     return RunSpec(
         model=ModelRecipe("diffusion_model", str(tmp_path / "m.safetensors")),
@@ -241,7 +237,7 @@ def _run_python(code: str, comfy_root: Path, extra_path: Path | None = None) -> 
     """Run ``code`` in a fresh Python with the pack imported; it prints one JSON line last."""
     prelude = textwrap.dedent(f'''
         import importlib.util, json, sys
-        _s = importlib.util.spec_from_file_location("_e", {str(PACK_DIR / "training" / "entry.py")!r})
+        _s = importlib.util.spec_from_file_location("_e", {str(PACK_DIR / "training" / "process" / "entry.py")!r})
         _m = importlib.util.module_from_spec(_s); _s.loader.exec_module(_m); _m.import_pack()
         ROOT = {str(comfy_root)!r}
         ''')
@@ -296,7 +292,7 @@ def test_precision_flags_take_effect_but_the_train_nodes_dtype_wins(comfy_root, 
 
 
 def test_settings_after_comfyui_loaded_are_refused(comfy_root):
-    from pipetrainer.training.comfy_env import use_comfyui
+    from pipetrainer.training.model.comfy_env import use_comfyui
 
     assert use_comfyui(comfy_root, "cpu") == []  # ComfyUI is loaded here: plain calls stay harmless
     with pytest.raises(RuntimeError, match="already imported"):
@@ -362,13 +358,13 @@ def test_recompute_backward_matches_autograd_on_a_custom_op():
 
 # ---- gpus ---------------------------------------------------------------------------------------------
 def _gpus(*free_used: tuple[float, float]):
-    from pipetrainer.nodes.gpus import GpuInfo
+    from pipetrainer.nodes.checks.gpus import GpuInfo
 
     return [GpuInfo(i, "NVIDIA H100", int(free * GIB), int((free + used) * GIB)) for i, (free, used) in enumerate(free_used)]
 
 
 def test_gpus_parsing():
-    from pipetrainer.nodes.gpus import parse_gpus
+    from pipetrainer.nodes.checks.gpus import parse_gpus
 
     assert parse_gpus("") == ((), [])
     assert parse_gpus("0,1, 3") == ((0, 1, 3), [])
@@ -380,7 +376,7 @@ def test_gpus_parsing():
 
 
 def test_gpu_selection_and_its_messages():
-    from pipetrainer.nodes.gpus import select_gpus
+    from pipetrainer.nodes.checks.gpus import select_gpus
 
     visible = _gpus((70.0, 9.5), (40.0, 39.5))
     assert select_gpus((), 2, visible) == ((0, 1), [])
@@ -399,10 +395,10 @@ def test_gpu_selection_and_its_messages():
 
 
 def test_gpus_on_cpu_and_the_run_log_table(comfy_root):
-    from pipetrainer.nodes.gpus import cpu_gpus_problems, gpu_table
-    from pipetrainer.nodes.launch import resolve_gpus
-    from pipetrainer.nodes.preflight import gpu_problems
-    from pipetrainer.training.spec import TrainSpec
+    from pipetrainer.nodes.checks.gpus import cpu_gpus_problems, gpu_table
+    from pipetrainer.nodes.checks.launch import resolve_gpus
+    from pipetrainer.nodes.checks.preflight import gpu_problems
+    from pipetrainer.training.spec.options import TrainSpec
 
     assert cpu_gpus_problems("") == []
     [problem] = cpu_gpus_problems("0,1")
@@ -415,7 +411,7 @@ def test_gpus_on_cpu_and_the_run_log_table(comfy_root):
 
 # ---- the rank environment and the cluster bundle -------------------------------------------------------
 def test_ranks_get_the_run_gpus_in_rank_order(tmp_path, monkeypatch):
-    from pipetrainer.training.supervisor import _rank_env
+    from pipetrainer.training.process.supervisor import _rank_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # ComfyUI's own, inherited
     launch = LaunchSettings(gpus=(3, 1), cuda_visible_devices="3,1", cuda_device_order="PCI_BUS_ID")
@@ -430,11 +426,11 @@ def test_ranks_get_the_run_gpus_in_rank_order(tmp_path, monkeypatch):
 
 
 def test_cluster_bundle_carries_the_launch_settings(tmp_path):
-    from pipetrainer.training.cluster import write_cluster_bundle
+    from pipetrainer.training.process.cluster import write_cluster_bundle
 
     launch = LaunchSettings(attention="flash", unet_precision="bf16", gpus=(2, 3), cuda_visible_devices="2,3")
     spec = dataclasses.replace(_base_spec(tmp_path), device="cuda", launch=launch).validated()
-    folder = write_cluster_bundle(spec, PACK_DIR / "training" / "entry.py")
+    folder = write_cluster_bundle(spec, PACK_DIR / "training" / "process" / "entry.py")
     assert RunSpec.load(folder / "spec.json").launch == launch
     for script in ("launch_deepspeed.sh", "launch_torchrun.sh"):
         text = (folder / script).read_text()
@@ -456,7 +452,7 @@ def _train_only(lora_name: str, steps: int, dtype: str) -> dict:
 
 def _train_on_server(comfy_root: Path, tmp_path: Path, flags: tuple[str, ...], dtype: str) -> tuple[Path, list[dict], str]:
     from pipetrainer.devkit.host import ComfyServer, history_error
-    from pipetrainer.training.events import read_all
+    from pipetrainer.training.process.events import read_all
 
     name = f"launch_{uuid.uuid4().hex[:6]}"
     with ComfyServer(comfy_root, tmp_path / "comfyui.log", extra_args=flags) as server:

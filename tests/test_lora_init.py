@@ -35,8 +35,8 @@ CASES = {  # id: LoraSpec fields (whole LoKr: rank 64 >= half each factor; alpha
 def _save(fixture_paths, path, lora, seed=7, also=()):
     """A randomised adapter of ``lora`` saved as the engine saves it; returns the file's tensors. ``also``:
     ``(path, lora)`` of a second save of the same adapter (another dtype)."""
-    from pipetrainer.training.lora_file import atomic_save, stage_lora_tensors
-    from pipetrainer.training.lora_inject import freeze_all_but_lora
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora
+    from pipetrainer.training.adapters.lora_file import atomic_save, stage_lora_tensors
     from safetensors.torch import load_file
 
     _, _, indexed, stage = _stage(fixture_paths, lora)
@@ -49,7 +49,7 @@ def _save(fixture_paths, path, lora, seed=7, also=()):
 
 
 def _continued(lora, path):
-    from pipetrainer.training.lora_init import file_digest
+    from pipetrainer.training.adapters.init_lora import file_digest
 
     return dataclasses.replace(lora, init_lora=str(path), init_lora_digest=file_digest(path))
 
@@ -57,9 +57,10 @@ def _continued(lora, path):
 def _assert_holds_the_file(stage, paths, lora, file, whole):
     """Every factor is the file's value as fp32 (whole LoKr ``w1``: alpha / rank divided out), and a re-save in
     the file's dtype gives the file back."""
-    from pipetrainer.training.adapters import split_adapter_name
-    from pipetrainer.training.lora_file import comfy_key_for, stage_lora_tensors
-    from pipetrainer.training.lora_inject import named_lora_parameters
+    from pipetrainer.training.adapters.inject import named_lora_parameters
+    from pipetrainer.training.adapters.keys import comfy_key_for
+    from pipetrainer.training.adapters.kinds import split_adapter_name
+    from pipetrainer.training.adapters.lora_file import stage_lora_tensors
 
     params = named_lora_parameters(stage)
     assert len(params) == len([k for k in file if not k.endswith(".alpha")])
@@ -84,9 +85,9 @@ def _assert_holds_the_file(stage, paths, lora, file, whole):
 def test_training_starts_from_the_files_exact_weights(case, fixture_paths, comfy_mmdit, caplog, tmp_path):  # noqa: F811
     """bf16 file: injected from it, checked, and ComfyUI's forward with it; then the fp32 file loaded into the
     same adapters by the same function (one model build per file dtype would double the test's time)."""
-    from pipetrainer.training.lora_init import load_init_values, read_init_file
-    from pipetrainer.training.lora_inject import freeze_all_but_lora
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.init_lora import load_init_values, read_init_file
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora
+    from pipetrainer.training.spec.options import LoraSpec
     from safetensors.torch import load_file
 
     lora = LoraSpec(targets="attention_mlp", save_dtype="bf16", **CASES[case])
@@ -119,7 +120,7 @@ def test_training_starts_from_the_files_exact_weights(case, fixture_paths, comfy
 @pytest.fixture(scope="module")
 def lora_file(fixture_paths, tmp_path_factory):
     """One randomised LoRA (rank 4, alpha 3, attention) of the tiny MMDiT, and its spec."""
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     lora = LoraSpec(rank=4, alpha=3.0, targets="attention", save_dtype="fp32")
     path = tmp_path_factory.mktemp("init") / "base.safetensors"
@@ -127,7 +128,7 @@ def lora_file(fixture_paths, tmp_path_factory):
 
 
 def _problems(model, lora, path):
-    from pipetrainer.training.adapters import adapter_target_problems
+    from pipetrainer.training.adapters.problems import adapter_target_problems
 
     return "\n".join(adapter_target_problems(model, _continued(lora, path)))
 
@@ -169,7 +170,7 @@ def test_a_file_for_another_model_or_other_settings_is_a_preflight_error(lora_fi
 
 
 def test_a_wrong_shape_names_the_key_the_file_and_the_expected_shape(lora_file, fixture_paths, tmp_path):
-    from pipetrainer.training.lora_init import InitLoraError
+    from pipetrainer.training.adapters.init_lora import InitLoraError
 
     lora, _, file = lora_file
     bad = dict(file)
@@ -185,8 +186,8 @@ def test_a_wrong_shape_names_the_key_the_file_and_the_expected_shape(lora_file, 
 
 def test_a_lokr_file_with_another_layout_names_the_rank_to_set(fixture_paths, tmp_path):
     """A whole-factor LoKr file (rank 64) under rank 4 (PEFT decomposes w2 there): the layouts differ."""
-    from pipetrainer.training.lora_init import InitLoraError
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.adapters.init_lora import InitLoraError
+    from pipetrainer.training.spec.options import LoraSpec
 
     whole = LoraSpec(adapter="lokr", rank=64, alpha=24.0, targets="attention", save_dtype="bf16")
     path = tmp_path / "whole.safetensors"
@@ -198,7 +199,7 @@ def test_a_lokr_file_with_another_layout_names_the_rank_to_set(fixture_paths, tm
 
 def test_the_files_digest_is_checked_and_is_part_of_the_training_hash(lora_file, comfy_mmdit, tmp_path):  # noqa: F811
     from pipetrainer.tests.test_adapters import _run_spec
-    from pipetrainer.training.lora_init import InitLoraError, check_init_lora, read_init_file
+    from pipetrainer.training.adapters.init_lora import InitLoraError, check_init_lora, read_init_file
     from pipetrainer.training.pipelines.base import adapter_for
 
     lora, path, file = lora_file
@@ -225,8 +226,8 @@ def test_the_lora_adapter_node_offers_the_loras_folder_and_records_the_digest(co
     import shutil
 
     import folder_paths
-    from pipetrainer.nodes.configs import PipeTrainerLoRA, _init_lora_options
-    from pipetrainer.training.lora_init import file_digest
+    from pipetrainer.nodes.lora_adapter import PipeTrainerLoRA, _init_lora_options
+    from pipetrainer.training.adapters.init_lora import file_digest
 
     lora, path, _ = lora_file
     folder = folder_paths.get_folder_paths("loras")[0]
@@ -251,7 +252,7 @@ def test_a_real_run_continues_from_the_file(fixture_paths, demo_cache, comfy_roo
     the file's keys (block 0 got no adapter) and is the file moved by at most two Adam steps (each moves a
     weight by <= lr, weight decay 0), not a fresh adapter (Kaiming A, zero B)."""
     from pipetrainer.tests.helpers import make_spec, run_training
-    from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+    from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
     from safetensors.torch import load_file
 
     lora = LoraSpec(rank=4, alpha=3.0, targets="attention", save_dtype="fp32", blocks="1-3")

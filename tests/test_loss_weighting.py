@@ -14,9 +14,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from pipetrainer.training.loss import mse_loss
-from pipetrainer.training.loss_weighting import item_scales, scale_labels, sigma_weights
-from pipetrainer.training.spec import LOSS_WEIGHTINGS, TimestepSpec
+from pipetrainer.training.objective.loss import mse_loss
+from pipetrainer.training.objective.loss_weighting import item_scales, scale_labels, sigma_weights
+from pipetrainer.training.spec.choices import LOSS_WEIGHTINGS
+from pipetrainer.training.spec.options import TimestepSpec
 
 
 def test_cosmap_is_the_density_of_sd3s_cosine_map_timesteps():
@@ -60,7 +61,7 @@ def sd3(fixture_paths):
 
 
 def _batches(sd3, weighting: str):
-    from pipetrainer.training.data import Example, MicroBatches
+    from pipetrainer.training.data.micro_batches import Example, MicroBatches
 
     model, adapter = sd3
     g = torch.Generator().manual_seed(3)

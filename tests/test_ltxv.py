@@ -102,7 +102,7 @@ def test_comfyuis_block_updates_the_residual_in_place_and_the_guard_keeps_autogr
 def test_first_frame_clean_equals_comfyui_with_ltxvimgtovideos_noise_mask(comfy_root, fixture_paths):
     """First latent frame clean, its tokens at timestep 0, as ComfyUI samples after LTXVImgToVideo."""
     import comfy.sampler_helpers
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
     from pipetrainer.training.pipelines.ltxv import LTXVOptions
 
     model = _model(comfy_root, fixture_paths)

@@ -47,7 +47,7 @@ def _detected_on_meta(**params):
 ], ids=["Lumina2", "ZImage"])
 def test_full_size_layouts_are_detected_and_accepted_on_shapes_only(comfy_root, layout, config_name, context, shift,
                                                                      refiners, layers, size):
-    from pipetrainer.training.loss import prediction_type
+    from pipetrainer.training.objective.loss import prediction_type
     from pipetrainer.training.pipelines import checks
 
     config, model = _detected_on_meta(**layout)
@@ -69,8 +69,8 @@ def test_full_size_layouts_are_detected_and_accepted_on_shapes_only(comfy_root, 
 
 
 def test_a_padded_micro_batch_at_two_sigmas_equals_comfyuis_forward(comfy_root):
-    from pipetrainer.training.data import stack_text
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.data.micro_batches import stack_text
+    from pipetrainer.training.objective.loss import noisy_input_and_target
 
     model = zimage_small().model
     adapter = adapter_for("Lumina2")

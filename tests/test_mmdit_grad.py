@@ -15,11 +15,11 @@ import functools
 import pytest
 import torch
 import torch.utils.checkpoint
-from pipetrainer.training.engine import _inputs_need_grad
-from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+from pipetrainer.training.loop.engine import _inputs_need_grad
 from pipetrainer.training.pipelines.base import Batch
 from pipetrainer.training.pipelines.mmdit import MMDiTAdapter
-from pipetrainer.training.spec import LoraSpec
+from pipetrainer.training.spec.options import LoraSpec
 
 
 def _small_mmdit(seed: int = 0):

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.optimizers import REGISTRY, build_stage_optimizer, ema_path, missing_package_problem
-from pipetrainer.training.spec import OPTIMIZERS, CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, SpecError
+from pipetrainer.training.optim.optimizers import REGISTRY, build_stage_optimizer, ema_path, missing_package_problem
+from pipetrainer.training.spec.choices import OPTIMIZERS, SpecError
+from pipetrainer.training.spec.options import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec
 from safetensors.torch import load_file, save_file
 from torch.optim import lr_scheduler as torch_lr
 
@@ -45,8 +46,8 @@ def test_every_spec_optimizer_is_registered_and_installed():
 
 def _stage(fixture_paths):
     """The tiny MMDiT's stage layers (fp32) with PEFT LoRA, as the engine builds one stage."""
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.pipelines.base import adapter_for
 
     patcher = load_model(ModelRecipe("diffusion_model", str(fixture_paths.mmdit), "default"), "fp32")
@@ -65,8 +66,8 @@ def _trainable(stage) -> list[tuple[str, torch.nn.Parameter]]:
 def _losses(fixture_paths, spec: OptimizerSpec, steps: int) -> tuple[list[float], float]:
     """``steps`` optimizer steps on one image (batch 2), each with its own seeded noise and sigmas; then
     the loss on four held-out noise draws at fixed sigmas (0.2 to 0.9). Returns (step losses, held-out)."""
-    from pipetrainer.training.engine import _inputs_need_grad
-    from pipetrainer.training.loss import mse_loss
+    from pipetrainer.training.loop.engine import _inputs_need_grad
+    from pipetrainer.training.objective.loss import mse_loss
     from pipetrainer.training.pipelines.base import Batch
 
     model, adapter, layers, stage = _stage(fixture_paths)
@@ -317,7 +318,7 @@ def test_ema_file_sits_next_to_the_lora():
 
 
 def _validate(**inputs):
-    from pipetrainer.nodes.configs import PipeTrainerOptimizer
+    from pipetrainer.nodes.optimizer import PipeTrainerOptimizer
 
     return PipeTrainerOptimizer.validate_inputs(**inputs)
 
@@ -348,7 +349,7 @@ def test_the_optimizer_node_names_the_inputs_that_combine_and_refuses_at_executi
     """ComfyUI rings each input named in ``validate_inputs`` (extra_info.input_name) with its message."""
     import inspect
 
-    from pipetrainer.nodes.configs import PipeTrainerOptimizer
+    from pipetrainer.nodes.optimizer import PipeTrainerOptimizer
 
     named = set(inspect.signature(PipeTrainerOptimizer.validate_inputs).parameters)
     assert {"optimizer", "learning_rate", "schedule", "min_lr_ratio", "cycles", "lora_plus_ratio", "ema_decay"} == named

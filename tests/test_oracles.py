@@ -44,7 +44,7 @@ def _family_models():
 def test_comfyui_gets_x0_back_from_the_training_target_for_every_family(comfy_root):
     """Oracle: ``model_sampling.calculate_denoised(sigma, target, noisy)``, how ComfyUI turns the raw
     network output into the denoised latent, must give back the clean latent for every sigma."""
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
     from pipetrainer.training.pipelines.base import known_families
 
     models = _family_models()
@@ -80,7 +80,7 @@ def test_eps_and_v_targets_denoise_to_x0_through_comfyuis_own_sampling(comfy_roo
     target gives back x0 at every sigma, from nearly clean to the schedule's largest."""
     import comfy.model_base
     import comfy.supported_models
-    from pipetrainer.training.loss import noisy_input_and_target, prediction_type
+    from pipetrainer.training.objective.loss import noisy_input_and_target, prediction_type
 
     config = comfy.supported_models.SD15({})
     ms = comfy.model_base.model_sampling(config, getattr(comfy.model_base.ModelType, model_type))
@@ -101,7 +101,7 @@ def test_eps_and_v_targets_denoise_to_x0_through_comfyuis_own_sampling(comfy_roo
 def test_unsupported_prediction_types_are_refused_by_name(comfy_root):
     """EDM and x0 prediction denoise differently from eps/v: refused, never trained against a wrong target."""
     import comfy.model_sampling as cms
-    from pipetrainer.training.loss import prediction_type
+    from pipetrainer.training.objective.loss import prediction_type
 
     for kind in (cms.EDM, cms.X0):
         sampling = type("Sampling", (cms.ModelSamplingDiscrete, kind), {})()
@@ -111,7 +111,7 @@ def test_unsupported_prediction_types_are_refused_by_name(comfy_root):
 
 
 def test_the_loss_mask_leaves_masked_elements_out_and_averages_the_rest():
-    from pipetrainer.training.loss import mse_loss
+    from pipetrainer.training.objective.loss import mse_loss
 
     prediction, target = torch.zeros(2, 3, 4, 1, 1), torch.ones(2, 3, 4, 1, 1)
     target[:, :, 0] = 10.0  # a clean first frame the family leaves out of the loss
@@ -126,11 +126,11 @@ def test_the_saved_lora_applies_in_comfyui_at_the_trained_strength(fixture_paths
     the PEFT-injected stage layers, with the tensors built by the function the engine saves with."""
     import comfy.lora
     import comfy.sd
-    from pipetrainer.training.engine import _inputs_need_grad
-    from pipetrainer.training.lora_file import stage_lora_tensors
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.lora_file import stage_lora_tensors
+    from pipetrainer.training.loop.engine import _inputs_need_grad
     from pipetrainer.training.pipelines.base import Batch, adapter_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     lora = LoraSpec(rank=4, alpha=1.0, targets="all_linear")
     trainer_model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))
@@ -188,9 +188,9 @@ def tiny_sd3(fixture_paths):
 
 def _micro_batches(model, replica: int, replicas: int):
     """Four identical examples: whatever differs between micro-batches is noise and sigma alone."""
-    from pipetrainer.training.data import Example, MicroBatches
+    from pipetrainer.training.data.micro_batches import Example, MicroBatches
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import TrainSpec
+    from pipetrainer.training.spec.options import TrainSpec
 
     g = torch.Generator().manual_seed(3)
     example = Example(torch.randn(16, 8, 8, generator=g), torch.randn(5, 768, generator=g), torch.randn(768, generator=g))

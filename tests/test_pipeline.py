@@ -21,8 +21,8 @@ import pytest
 import torch
 from pipetrainer.devkit.host import free_port
 from pipetrainer.tests.helpers import ENTRY, losses, make_spec, run_training
-from pipetrainer.training.events import read_all
-from pipetrainer.training.rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from pipetrainer.training.process.events import read_all
+from pipetrainer.training.process.rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from safetensors.torch import load_file
 
 STEPS = 6
@@ -125,7 +125,7 @@ def test_two_machines_on_loopback_with_the_exported_torchrun_command(two_stage, 
     spec, events = two_stage
     cluster = make_spec(Path(spec.model.path), spec.items, tmp_path / "cluster", Path(spec.comfyui_path),
                         pipeline_stages=2, **{**SETTINGS, "steps": 3})
-    from pipetrainer.training.cluster import write_cluster_bundle
+    from pipetrainer.training.process.cluster import write_cluster_bundle
 
     bundle = write_cluster_bundle(cluster, ENTRY, nodes=2)
     assert (bundle / "hostfile").read_text() == "node0 slots=1\nnode1 slots=1\n"
@@ -155,7 +155,7 @@ def test_the_exported_deepspeed_launcher_script_trains_with_a_hostfile(two_stage
     spec, events = two_stage
     run = make_spec(Path(spec.model.path), spec.items, tmp_path / "ds", Path(spec.comfyui_path),
                     pipeline_stages=2, **{**SETTINGS, "steps": 3})
-    from pipetrainer.training.cluster import write_cluster_bundle
+    from pipetrainer.training.process.cluster import write_cluster_bundle
 
     bundle = write_cluster_bundle(run, ENTRY, nodes=1)
     (bundle / "hostfile").write_text("localhost slots=2\n")
@@ -195,7 +195,7 @@ def test_a_rank_that_raises_fails_the_run_fast_with_its_error(two_stage, tmp_pat
 
 @pytest.mark.slow
 def test_cancel_stops_every_stage_at_the_same_step_and_leaves_no_process(two_stage, tmp_path):
-    from pipetrainer.nodes import run_process
+    from pipetrainer.nodes.run import run_process
 
     spec, _ = two_stage
     long = make_spec(Path(spec.model.path), spec.items, tmp_path / "cancel", Path(spec.comfyui_path),

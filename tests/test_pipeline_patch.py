@@ -14,7 +14,7 @@ import pytest
 import torch
 from pipetrainer.patches import deepspeed_pipe_backward as patch
 from pipetrainer.tests.helpers import make_spec, run_training
-from pipetrainer.training.clipping import clip_by_global_norm, squared_norms
+from pipetrainer.training.optim.clipping import clip_by_global_norm, squared_norms
 
 
 def test_deepspeed_still_backpropagates_stage_outputs_one_tensor_at_a_time():

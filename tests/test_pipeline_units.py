@@ -8,17 +8,22 @@ from pathlib import Path
 
 import pytest
 from pipetrainer.tests.helpers import ENTRY, make_spec
-from pipetrainer.training.cluster import ranks_per_node, torchrun_command, write_cluster_bundle
-from pipetrainer.training.partition import StageWithoutLoraError, describe, require_lora_on_every_stage, write_plan
-from pipetrainer.training.spec import SpecError
+from pipetrainer.training.model.partition import (
+    StageWithoutLoraError,
+    describe,
+    require_lora_on_every_stage,
+    write_plan,
+)
+from pipetrainer.training.process.cluster import ranks_per_node, torchrun_command, write_cluster_bundle
+from pipetrainer.training.spec.choices import SpecError
 
 
 @pytest.fixture(scope="module")
 def mmdit_layers(fixture_paths):
-    from pipetrainer.training.engine import _inputs_need_grad
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.training.loop.engine import _inputs_need_grad
+    from pipetrainer.training.model.model_source import load_model
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import ModelRecipe
+    from pipetrainer.training.spec.options import ModelRecipe
 
     patcher = load_model(ModelRecipe("diffusion_model", str(fixture_paths.mmdit)))
     adapter = adapter_for("SD3")
@@ -71,7 +76,7 @@ def test_cluster_bundle_has_the_spec_hostfile_and_runnable_scripts(fixture_paths
 
 
 def _item(tmp_path: Path):
-    from pipetrainer.training.spec import CacheItem
+    from pipetrainer.training.spec.options import CacheItem
 
     return CacheItem(latent_file=str(tmp_path / "l.safetensors"), text_file=str(tmp_path / "t.safetensors"),
                      source="a.png", caption="a")

@@ -26,17 +26,10 @@ from pipetrainer.tests.quant_helpers import (
     trainer_vs_comfyui,
     with_lora,
 )
-from pipetrainer.training.lora_inject import freeze_all_but_lora, named_lora_parameters
-from pipetrainer.training.model_source import load_model, model_options
-from pipetrainer.training.spec import (
-    WEIGHT_DTYPES,
-    CacheItem,
-    LoraSpec,
-    ModelRecipe,
-    OptimizerSpec,
-    SpecError,
-    TrainSpec,
-)
+from pipetrainer.training.adapters.inject import freeze_all_but_lora, named_lora_parameters
+from pipetrainer.training.model.model_source import load_model, model_options
+from pipetrainer.training.spec.choices import WEIGHT_DTYPES, SpecError
+from pipetrainer.training.spec.options import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, TrainSpec
 from safetensors.torch import load_file
 
 
@@ -250,7 +243,7 @@ def test_quantized_base_trains_in_the_real_process(trained, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_trained_lora_applied_by_comfyui_reproduces_the_trainer_forward(trained, fixture_paths, demo_cache, name):
-    from pipetrainer.training.data import load_examples
+    from pipetrainer.training.data.micro_batches import load_examples
 
     case = CASES[name]
     spec, _ = trained(name)

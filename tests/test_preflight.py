@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipetrainer.training.dataset import DatasetError, scan_dataset
-from pipetrainer.training.spec import CacheItem, LoraSpec, OptimizerSpec, RunSpec, SpecError, TrainSpec
+from pipetrainer.training.data.dataset import DatasetError, scan_dataset
+from pipetrainer.training.spec.choices import SpecError
+from pipetrainer.training.spec.options import CacheItem, LoraSpec, OptimizerSpec, TrainSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 from safetensors.torch import save_file
 
 GOOD_SETTINGS = dict(steps=10, batch_size=1, gradient_accumulation=1, seed=0,
@@ -234,13 +236,13 @@ def _too_many_blocks_to_swap(stages: int, blocks: int) -> Callable[[Setup], str]
 
 
 def _deepspeed_missing(s: Setup) -> str:
-    from pipetrainer.nodes.preflight import deepspeed_problems
+    from pipetrainer.nodes.checks.preflight import deepspeed_problems
 
     return "\n".join(deepspeed_problems(installed=False, platform="win32"))
 
 
 def _disk_full(s: Setup) -> str:
-    from pipetrainer.nodes.preflight import disk_problems, lora_parameter_count, run_disk_bytes
+    from pipetrainer.nodes.checks.preflight import disk_problems, lora_parameter_count, run_disk_bytes
 
     train = TrainSpec(steps=1000, save_every=10)
     needed = run_disk_bytes(lora_parameter_count(s.model, LoraSpec(rank=4)), train)
@@ -300,7 +302,7 @@ def test_the_train_node_refuses_flow_timesteps_for_sdxl_and_wan_options_that_do_
     the model or the timesteps leave nothing of (the rules themselves: tests/test_family_rules.py)."""
     from pipetrainer.tests.family_rows.sdxl import sdxl_small
     from pipetrainer.tests.family_rows.wan_video import ROWS
-    from pipetrainer.training.spec import TimestepSpec
+    from pipetrainer.training.spec.options import TimestepSpec
 
     sdxl = dataclasses.replace(setup, model=sdxl_small(), settings={
         **setup.settings, "timesteps": TimestepSpec(shift="resolution", sigma_max=0.8)})
@@ -337,7 +339,7 @@ def test_every_problem_is_reported_at_once(setup):
 def test_real_images_and_videos_pass_the_media_check(setup):
     import av
     import numpy as np
-    from pipetrainer.nodes.preflight import media_problems
+    from pipetrainer.nodes.checks.preflight import media_problems
 
     video = setup.tmp / "ok.mp4"
     with av.open(str(video), "w") as out:
@@ -354,7 +356,7 @@ def test_real_images_and_videos_pass_the_media_check(setup):
 
 
 def test_disk_estimates_grow_with_saves_and_items(setup):
-    from pipetrainer.nodes.preflight import cache_disk_bytes, free_bytes, lora_parameter_count, run_disk_bytes
+    from pipetrainer.nodes.checks.preflight import cache_disk_bytes, free_bytes, lora_parameter_count, run_disk_bytes
 
     params = lora_parameter_count(setup.model, LoraSpec(rank=4, targets="attention"))
     wider = lora_parameter_count(setup.model, LoraSpec(rank=8, targets="all_linear"))
@@ -376,7 +378,12 @@ def test_preflight_never_imports_the_trainer_libraries():
 
 
 def test_the_cache_disk_estimate_counts_items_resolutions_and_text(encoders, fixture_paths, tmp_path):
-    from pipetrainer.nodes.preflight import DISK_MARGIN_BYTES, cache_problems, dataset_latent_elements, free_bytes
+    from pipetrainer.nodes.checks.preflight import (
+        DISK_MARGIN_BYTES,
+        cache_problems,
+        dataset_latent_elements,
+        free_bytes,
+    )
 
     vae, clip = encoders
     dataset = scan_dataset(fixture_paths.dataset, 64)
@@ -390,10 +397,10 @@ def test_the_cache_disk_estimate_counts_what_a_cache_with_flip_masks_and_caption
     mask, every tag-shuffled caption and the empty caption) equal the estimate's count."""
     import numpy as np
     from PIL import Image
-    from pipetrainer.nodes.preflight import dataset_latent_elements, dataset_texts, text_cache_elements
+    from pipetrainer.nodes.checks.preflight import dataset_latent_elements, dataset_texts, text_cache_elements
     from pipetrainer.training.cache.reader import read_entries
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.captions import CaptionOptions
+    from pipetrainer.training.data.captions import CaptionOptions
 
     vae, clip = encoders
     rng = np.random.default_rng(5)
@@ -433,7 +440,7 @@ def test_the_cache_node_checks_disk_then_caches(encoders, fixture_paths):
 def test_sources_unchanged_since_caching_are_not_decoded_again(encoders, fixture_paths, tmp_path):
     import os
 
-    from pipetrainer.nodes.preflight import unchanged_since_cached
+    from pipetrainer.nodes.checks.preflight import unchanged_since_cached
     from pipetrainer.training.cache.store import build_cache
 
     data = tmp_path / "data"
@@ -478,7 +485,7 @@ def test_the_real_server_refuses_with_every_problem_and_starts_nothing(server, c
 def test_preflight_stays_fast_on_a_large_cache(setup):
     import time
 
-    from pipetrainer.nodes.preflight import train_problems
+    from pipetrainer.nodes.checks.preflight import train_problems
 
     items = setup.cache.items * 500  # repeats: each distinct entry and source is read once
     big = setup.with_items(*items)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from pipetrainer.devkit.host import history_error, output_images
-from pipetrainer.training.events import read_all
+from pipetrainer.training.process.events import read_all
 from safetensors.torch import save_file
 
 WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_tiny_mmdit.json"
@@ -47,7 +47,7 @@ def _random_lora(model_patcher, path: Path, seed: int = 0) -> Path:
 def test_a_failing_preview_is_reported_and_the_next_one_renders(comfy_root, fixture_paths, encoders, tmp_path):
     import comfy.sd
     from pipetrainer.nodes.preview_settings import PreviewSettings, preview_save_every
-    from pipetrainer.nodes.previews import PreviewRunner
+    from pipetrainer.nodes.run.previews import PreviewRunner
 
     assert [preview_save_every(0, 50), preview_save_every(100, 150), preview_save_every(20, 10)] == [50, 50, 10]
     vae, clip = encoders

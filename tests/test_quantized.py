@@ -31,12 +31,12 @@ from pipetrainer.tests.quant_helpers import (
     with_lora,
 )
 from pipetrainer.tests.quant_helpers import trainer_vs_comfyui as shared_trainer_vs_comfyui
-from pipetrainer.training.lora_inject import freeze_all_but_lora
-from pipetrainer.training.model_source import load_model
+from pipetrainer.training.adapters.inject import freeze_all_but_lora
+from pipetrainer.training.model.model_source import load_model
 from pipetrainer.training.quant.formats import WeightFormat, file_weight_format
 from pipetrainer.training.quant.guards import set_float_weights_trainable
 from pipetrainer.training.quant.layers import QuantLinearLora, is_comfy_quant_linear
-from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec
+from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -231,7 +231,7 @@ def trained(quantized, demo_cache, comfy_root, tmp_path_factory):
 def test_quantized_file_trains_in_the_real_process(trained, quantized, fixture_paths, demo_cache, name):
     """12 seeded steps on one item vs an untrained control (lr 1e-7) of the same file; the saved LoRA
     maps on the quantized base and the fp32 original, and ComfyUI applies it as the trainer computed."""
-    from pipetrainer.training.data import load_examples
+    from pipetrainer.training.data.micro_batches import load_examples
 
     _, control = trained(name, lr=1e-7)
     spec, values = trained(name)

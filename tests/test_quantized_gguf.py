@@ -32,9 +32,9 @@ from pipetrainer.tests.quant_helpers import (
     unmapped_keys,
     with_lora,
 )
-from pipetrainer.training.lora_inject import freeze_all_but_lora
-from pipetrainer.training.model_source import load_model
-from pipetrainer.training.spec import LoraSpec, ModelRecipe, OptimizerSpec
+from pipetrainer.training.adapters.inject import freeze_all_but_lora
+from pipetrainer.training.model.model_source import load_model
+from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, OptimizerSpec
 from safetensors.torch import load_file
 
 GGUF_PATH = os.environ.get("COMFYUI_GGUF_PATH", "")

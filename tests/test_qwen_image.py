@@ -52,8 +52,8 @@ def _needs_argument(name: str) -> None:
 
 
 def test_data_path_with_a_reference_equals_comfyuis_edit_conditioning(comfy_root):
-    from pipetrainer.training.data import Example, MicroBatches
-    from pipetrainer.training.spec import TimestepSpec
+    from pipetrainer.training.data.micro_batches import Example, MicroBatches
+    from pipetrainer.training.spec.options import TimestepSpec
 
     model = qwen_image_small().model
     adapter = adapter_for("QwenImage")
@@ -124,7 +124,7 @@ def test_qwen_image_edit_2511_requires_a_reference_and_layered_is_refused(comfy_
 
 def test_edit_2511_reference_tokens_at_timestep_zero_equal_comfyuis_forward(comfy_root):
     _needs_argument("default_ref_method")
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
 
     model = qwen_image_small(default_ref_method="index_timestep_zero").model
     adapter = adapter_for("QwenImage")

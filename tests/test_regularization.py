@@ -16,25 +16,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pipetrainer.training.loss import mse_loss
-from pipetrainer.training.regularization import (
+from pipetrainer.training.data.regularization import (
     MixedMicroBatches,
     exact_ratio,
     is_regularization,
     regularization_before,
     regularization_seed,
 )
-from pipetrainer.training.spec import (
+from pipetrainer.training.objective.loss import mse_loss
+from pipetrainer.training.spec.choices import SpecError
+from pipetrainer.training.spec.options import (
     CacheItem,
     LoraSpec,
     ModelRecipe,
     OptimizerSpec,
     RegularizationSpec,
-    RunSpec,
-    SpecError,
     TimestepSpec,
     TrainSpec,
 )
+from pipetrainer.training.spec.run_spec import RunSpec
 
 TRAIN_SHAPE, REG_SHAPE = (16, 8, 8), (16, 8, 12)
 
@@ -52,7 +52,7 @@ def test_any_n_micro_batches_hold_floor_n_ratio_regularization_ones(ratio):
 
 
 def _examples(shape, n: int, seed: int, text: bool = True):
-    from pipetrainer.training.data import Example
+    from pipetrainer.training.data.micro_batches import Example
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -73,7 +73,7 @@ def sd3(fixture_paths):
 
 def _streams(sd3, *, ratio=0.3, weight=0.5, replica=0, replicas=1, text=True, seed=5):
     """A fresh mixed stream and fresh copies of its two streams (no state shared with it)."""
-    from pipetrainer.training.data import MicroBatches
+    from pipetrainer.training.data.micro_batches import MicroBatches
 
     model, adapter = sd3
 
@@ -173,7 +173,7 @@ def test_the_spec_round_trips_validates_and_hashes_only_when_on():
 def test_resuming_with_regularization_added_or_changed_warns_and_is_not_refused():
     import json
 
-    from pipetrainer.training.resume import hash_changes
+    from pipetrainer.training.loop.resume import hash_changes
 
     off = json.loads(_spec().to_json())
     del off["regularization"]  # a spec.json written before the option
@@ -232,7 +232,7 @@ def _oracle_first_step(fixture_paths, spec: RunSpec) -> float:
     """Step 1 (gradient accumulation 2, ratio 0.5: micro-batch 0 training, 1 regularization) of the base
     model, from ComfyUI's own ``apply_model``: the flow output recovered from its denoised result."""
     import comfy.sd
-    from pipetrainer.training.data import MicroBatches, load_examples
+    from pipetrainer.training.data.micro_batches import MicroBatches, load_examples
     from pipetrainer.training.pipelines.base import adapter_for
 
     patcher = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit), model_options={"dtype": torch.float32})
@@ -255,7 +255,7 @@ def _oracle_first_step(fixture_paths, spec: RunSpec) -> float:
 @pytest.mark.slow
 def test_a_real_run_mixes_them_in_alike_on_one_and_two_stages(fixture_paths, comfy_root, demo_cache, tmp_path):
     from pipetrainer.tests.helpers import losses, make_spec, run_training
-    from pipetrainer.training.rank import EXIT_OK
+    from pipetrainer.training.process.rank import EXIT_OK
 
     reg = RegularizationSpec(items=tuple(demo_cache.items[-2:]), weight=0.5, ratio=0.5)
     runs = []

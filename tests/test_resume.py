@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.rank import EXIT_FAILED, EXIT_OK
-from pipetrainer.training.resume import SPEC_FILE, check_resume, resume_problem, save_checkpoint_spec
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec
+from pipetrainer.training.loop.resume import SPEC_FILE, check_resume, resume_problem, save_checkpoint_spec
+from pipetrainer.training.process.rank import EXIT_FAILED, EXIT_OK
+from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 from safetensors.torch import load_file
 
 SETTINGS = dict(seed=7, grad_accum=2, lora=LoraSpec(rank=8, alpha=8.0, dropout=0.1))

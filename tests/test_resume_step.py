@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from pipetrainer.tests.helpers import make_spec, run_training
-from pipetrainer.training.rank import EXIT_OK
-from pipetrainer.training.spec import CacheItem
+from pipetrainer.training.process.rank import EXIT_OK
+from pipetrainer.training.spec.options import CacheItem
 from safetensors.torch import save_file
 
 

@@ -42,8 +42,8 @@ def test_full_size_sdxl_is_detected_and_trainable_on_any_split(full_size):
     import comfy.model_base
     import comfy.supported_models
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
-    from pipetrainer.training.loss import prediction_type
-    from pipetrainer.training.partition import describe, require_lora_on_every_stage
+    from pipetrainer.training.model.partition import describe, require_lora_on_every_stage
+    from pipetrainer.training.objective.loss import prediction_type
     from pipetrainer.training.pipelines import checks
     from pipetrainer.training.pipelines.base import adapter_for, family_name_for
     from pipetrainer.training.pipelines.targets import model_targets
@@ -82,7 +82,7 @@ def test_full_size_sdxl_is_detected_and_trainable_on_any_split(full_size):
 
 
 def test_v_pred_flag_of_a_full_size_file_gives_v_prediction(full_size):
-    from pipetrainer.training.loss import prediction_type
+    from pipetrainer.training.objective.loss import prediction_type
 
     state, config, _ = full_size
     model = config.get_model({**state, "v_pred": torch.zeros(0)}, "", device="meta")
@@ -93,7 +93,7 @@ def test_v_pred_flag_of_a_full_size_file_gives_v_prediction(full_size):
                                          ({"v_pred": torch.zeros(0), "ztsnr": torch.zeros(0)}, "v")])
 def test_eps_and_v_targets_denoise_to_the_clean_latent_with_comfyuis_model_sampling(comfy_root, flags, kind):
     """The trainer's target, handed to ComfyUI's own ``calculate_denoised`` as the network output, gives x0."""
-    from pipetrainer.training.loss import noisy_input_and_target, prediction_type
+    from pipetrainer.training.objective.loss import noisy_input_and_target, prediction_type
 
     ms = sdxl_small(flags).model.model_sampling
     assert prediction_type(ms) == kind
@@ -113,8 +113,8 @@ def test_eps_and_v_targets_denoise_to_the_clean_latent_with_comfyuis_model_sampl
 def test_default_sigmas_are_uniform_over_the_models_discrete_timesteps(comfy_root):
     """Discrete-time SDXL: the default draws (in ComfyUI's timestep units) cover its 1000 steps evenly, and the
     sigma quantiles are those of ``model_sampling.sigmas`` (within sampling noise, relative)."""
-    from pipetrainer.training.spec import TimestepSpec
-    from pipetrainer.training.timesteps import sample_sigmas
+    from pipetrainer.training.objective.timesteps import sample_sigmas
+    from pipetrainer.training.spec.options import TimestepSpec
 
     ms = sdxl_small().model.model_sampling
     n = 100_000
@@ -205,7 +205,7 @@ def two_training_steps(rank: int, world: int) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     from pipetrainer.devkit.host import comfyui_root
     from pipetrainer.patches.deepspeed_shm import disable_shm_comm_build
-    from pipetrainer.training.comfy_env import enable_comfy_training_mode, use_comfyui
+    from pipetrainer.training.model.comfy_env import enable_comfy_training_mode, use_comfyui
 
     use_comfyui(comfyui_root(), "cpu")
     enable_comfy_training_mode()
@@ -213,11 +213,11 @@ def two_training_steps(rank: int, world: int) -> dict:
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from pipetrainer.patches.deepspeed_stage_engine import build_stage_engine
-    from pipetrainer.training.engine import _contiguous_outputs, _inputs_need_grad
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.loss import mse_loss, noisy_input_and_target
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.loop.engine import _contiguous_outputs, _inputs_need_grad
+    from pipetrainer.training.objective.loss import mse_loss, noisy_input_and_target
     from pipetrainer.training.pipelines.base import Batch, adapter_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     model = sdxl_small().model
@@ -280,9 +280,9 @@ def test_cosxl_edm_vpred_draws_its_own_range_as_comfyuis_normal_scheduler(comfy_
     (timestep 0 is sigma 1 there), and the v target denoises to x0 through its ``calculate_denoised``."""
     import comfy.model_sampling
     import comfy.samplers
-    from pipetrainer.training.loss import noisy_input_and_target, prediction_type
-    from pipetrainer.training.spec import TimestepSpec
-    from pipetrainer.training.timesteps import sample_sigmas
+    from pipetrainer.training.objective.loss import noisy_input_and_target, prediction_type
+    from pipetrainer.training.objective.timesteps import sample_sigmas
+    from pipetrainer.training.spec.options import TimestepSpec
 
     ms = sdxl_small(COSXL).model.model_sampling
     assert isinstance(ms, comfy.model_sampling.ModelSamplingContinuousEDM) and prediction_type(ms) == "v"
@@ -311,7 +311,7 @@ def test_flow_only_timestep_settings_are_refused_for_sdxl_models(comfy_root):
     """shift none / fixed / resolution and sigma_min / sigma_max are flow-matching noise levels: refused, by
     option and fix, for eps, v and CosXL models; the model's own sampling passes."""
     from pipetrainer.training.pipelines import checks
-    from pipetrainer.training.spec import TimestepSpec
+    from pipetrainer.training.spec.options import TimestepSpec
 
     for flags in ({}, {"v_pred": torch.zeros(0)}, COSXL):
         model = sdxl_small(flags).model
@@ -403,8 +403,8 @@ def test_the_cache_writes_size_crop_for_sdxl_encoders_only_and_re_encodes_old_en
     from pipetrainer.training.cache.prep_extras import cache_extras
     from pipetrainer.training.cache.reader import read_entries
     from pipetrainer.training.cache.store import fill_cache
-    from pipetrainer.training.data import load_examples
-    from pipetrainer.training.dataset import BucketSettings, scan_dataset
+    from pipetrainer.training.data.dataset import BucketSettings, scan_dataset
+    from pipetrainer.training.data.micro_batches import load_examples
 
     vae, clip = encoders
     assert cache_extras(clip) == {}  # a CLIP-L (SD3/Flux) cache: no family asks, its keys stay as they were

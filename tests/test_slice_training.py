@@ -6,7 +6,7 @@ import statistics
 
 import torch
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.spec import LoraSpec, OptimizerSpec, TimestepSpec
+from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec, TimestepSpec
 from safetensors.torch import load_file
 
 
@@ -28,11 +28,11 @@ def test_overfitting_one_image_lowers_the_loss(fixture_paths, comfy_root, demo_c
 
 def _trainer_forward_and_lora(patcher, inputs, seed: int):
     """Stage layers with injected PEFT LoRA (nonzero B), run in sequence like a 1-stage pipeline."""
-    from pipetrainer.training.engine import _inputs_need_grad
-    from pipetrainer.training.lora_file import lora_state_dict
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.adapters.lora_file import lora_state_dict
+    from pipetrainer.training.loop.engine import _inputs_need_grad
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     adapter = adapter_for("SD3")
     layers = adapter.stage_layers(patcher.model.diffusion_model)
@@ -58,8 +58,8 @@ def test_comfy_lora_loader_reproduces_the_trainer_forward(fixture_paths, demo_ca
     """fp32: max abs difference <= 1e-4 (relative ~1e-5) between PEFT's forward and ComfyUI's merged LoRA."""
     import comfy.lora
     import comfy.sd
-    from pipetrainer.training.data import load_examples
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.data.micro_batches import load_examples
+    from pipetrainer.training.objective.loss import noisy_input_and_target
     from pipetrainer.training.pipelines.base import Batch, adapter_for
 
     trainer_model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit))

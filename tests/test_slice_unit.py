@@ -6,19 +6,13 @@ import os
 
 import pytest
 import torch
-from pipetrainer.training.dataset import DatasetError, scan_dataset
-from pipetrainer.training.lora_file import atomic_save, comfy_key_for, lora_state_dict
+from pipetrainer.training.adapters.keys import comfy_key_for
+from pipetrainer.training.adapters.lora_file import atomic_save, lora_state_dict
+from pipetrainer.training.data.dataset import DatasetError, scan_dataset
 from pipetrainer.training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for, known_families
-from pipetrainer.training.spec import (
-    CacheItem,
-    LoraSpec,
-    ModelRecipe,
-    OptimizerSpec,
-    RunSpec,
-    SpecError,
-    TimestepSpec,
-    TrainSpec,
-)
+from pipetrainer.training.spec.choices import SpecError
+from pipetrainer.training.spec.options import CacheItem, LoraSpec, ModelRecipe, OptimizerSpec, TimestepSpec, TrainSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 
 LAYER_PATHS = {2: {"block": "joint_blocks.0"}, 1: {"x_embedder": "x_embedder"}, 6: {"final_layer": "final_layer"}}
 
@@ -151,7 +145,7 @@ def test_atomic_save_removes_temp_files_of_killed_writers_only(tmp_path):
 
 
 def test_file_fingerprint_sees_the_last_bytes_of_large_files(tmp_path):
-    from pipetrainer.training.fingerprint import file_fingerprint
+    from pipetrainer.training.model.fingerprint import file_fingerprint
 
     f = tmp_path / "big.bin"
     data = bytearray(os.urandom(5_000_003))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetrainer.training.slowness import is_timeout, slow_rank_text
+from pipetrainer.training.process.slowness import is_timeout, slow_rank_text
 
 GLOO = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
         "300000ms for recv operation to complete")

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from pipetrainer.nodes.stacked_loras import UnsupportedStackedPatch, write_stacked_loras
-from pipetrainer.training.fingerprint import file_fingerprint
-from pipetrainer.training.model_source import load_model
-from pipetrainer.training.spec import ModelRecipe
+from pipetrainer.nodes.checks.stacked_loras import UnsupportedStackedPatch, write_stacked_loras
+from pipetrainer.training.model.fingerprint import file_fingerprint
+from pipetrainer.training.model.model_source import load_model
+from pipetrainer.training.spec.options import ModelRecipe
 
 QKV = "diffusion_model.joint_blocks.1.x_block.attn.qkv"
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from pipetrainer.devkit import quant_fixtures
-from pipetrainer.training.fingerprint import file_fingerprint
-from pipetrainer.training.model_source import load_model
+from pipetrainer.training.model.fingerprint import file_fingerprint
+from pipetrainer.training.model.model_source import load_model
 from pipetrainer.training.quant.formats import WeightFormat
 from pipetrainer.training.quant.stacking import GGUF, recipe_base_kind, stacked_lora_problem
-from pipetrainer.training.spec import LoraSpec, ModelRecipe, TrainSpec
+from pipetrainer.training.spec.options import LoraSpec, ModelRecipe, TrainSpec
 
 QKV = "diffusion_model.joint_blocks.1.x_block.attn.qkv"
 FIX = "remove the LoRA loaders between the model loader and Train LoRA"
@@ -64,7 +64,7 @@ def test_the_rule_names_the_kind_and_the_fix():
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_preflight_refuses_stacked_loras_on_scaled_bases_only(files, demo_cache, tmp_path, name):
-    from pipetrainer.nodes.preflight import train_problems
+    from pipetrainer.nodes.checks.preflight import train_problems
 
     assert recipe_base_kind("diffusion_model", str(files[name])) == (name if name != "plain" else "plain")
     stacked = _graph_model(files[name], stacked=1)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipetrainer.training.fingerprint import file_fingerprint
-from pipetrainer.training.model_source import finish_loading, load_model
-from pipetrainer.training.spec import ModelRecipe
-from pipetrainer.training.stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
+from pipetrainer.training.model.fingerprint import file_fingerprint
+from pipetrainer.training.model.model_source import finish_loading, load_model
+from pipetrainer.training.model.stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
+from pipetrainer.training.spec.options import ModelRecipe
 from safetensors.torch import save_file
 
 QKV = "diffusion_model.joint_blocks.{}.x_block.attn.qkv"
@@ -82,11 +82,11 @@ def test_the_other_stage_gets_the_rest_and_the_two_halves_make_the_whole(fixture
 
 def test_swapped_blocks_never_reach_the_device_during_set_up(fixture_paths):
     """The meta device stands in for the GPU: what lands there is what would use VRAM."""
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
     from pipetrainer.training.offload.block_swap import BlockSwapper
     from pipetrainer.training.offload.placement import last_swappable, move_trainable, place_stage
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
 
     patcher = load_model(_recipe(fixture_paths.mmdit))
     layers = _stage_layers(patcher)

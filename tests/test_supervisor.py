@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from pipetrainer.training.events import EventWriter, read_all
-from pipetrainer.training.rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
-from pipetrainer.training.supervisor import watch_ranks
+from pipetrainer.training.process.events import EventWriter, read_all
+from pipetrainer.training.process.rank import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from pipetrainer.training.process.supervisor import watch_ranks
 
 
 def _start(run_dir: Path, rank: int, program: str) -> subprocess.Popen:

@@ -9,9 +9,9 @@ import sys
 
 import numpy as np
 from pipetrainer.tests.helpers import make_spec, run_training
-from pipetrainer.training.rank import EXIT_OK
-from pipetrainer.training.spec import OptimizerSpec
-from pipetrainer.training.tensorboard_log import ENABLE_HINT, TensorBoardLog, tensorboard_dir
+from pipetrainer.training.loop.tensorboard_log import ENABLE_HINT, TensorBoardLog, tensorboard_dir
+from pipetrainer.training.process.rank import EXIT_OK
+from pipetrainer.training.spec.options import OptimizerSpec
 
 
 def _scalars(folder, tag: str) -> list[tuple[int, float]]:

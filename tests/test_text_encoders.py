@@ -100,7 +100,7 @@ def dataset(tmp_path_factory) -> Path:
 @functools.cache
 def _cached(name: str, folder: Path, cache_dir: Path, vae):
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.dataset import scan_dataset
 
     return build_cache(scan_dataset(folder, 64), vae, _clip(name), cache_dir / name, text_dtype="fp32")
 
@@ -204,11 +204,11 @@ def _comfy_forward(model, conditioning, noisy: torch.Tensor, sigma: torch.Tensor
 
 
 def test_one_micro_batch_of_the_cached_conds_trains_as_comfyui_samples(cached):
-    from pipetrainer.training.data import MicroBatches, load_examples
-    from pipetrainer.training.lora_inject import freeze_all_but_lora, inject_lora, named_lora_parameters
-    from pipetrainer.training.loss import mse_loss
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora, named_lora_parameters
+    from pipetrainer.training.data.micro_batches import MicroBatches, load_examples
+    from pipetrainer.training.objective.loss import mse_loss
     from pipetrainer.training.pipelines.base import adapter_for, family_name_for
-    from pipetrainer.training.spec import LoraSpec, TimestepSpec
+    from pipetrainer.training.spec.options import LoraSpec, TimestepSpec
 
     name, result = cached
     _, width, family, build_model = ENCODERS[name]
@@ -259,8 +259,8 @@ def test_the_lumina2_examples_prompt_prefix_caches_what_its_clip_text_encode_lum
     from pipetrainer.training.cache.encoders import TEXT_ATTENTION_MASK
     from pipetrainer.training.cache.reader import read_entries
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.captions import CaptionOptions
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.captions import CaptionOptions
+    from pipetrainer.training.data.dataset import scan_dataset
 
     example = json.loads((Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_lumina2.json").read_text())
     (prefix,) = [n["inputs"]["prompt_prefix"] for n in example.values() if n["class_type"] == "PipeTrainerDataset"]
@@ -289,11 +289,11 @@ def test_the_text_disk_estimate_grows_with_llm_captions_as_the_stored_entries_do
     """LLM encoders give one row per token (no padding): the disk estimate's text elements, from one
     encode of the empty prompt and the captions' token counts, cover what a real cache run stores for
     short and long captions behind a prompt prefix and the empty caption, and stay close to it."""
-    from pipetrainer.nodes.preflight import dataset_texts, text_cache_elements
+    from pipetrainer.nodes.checks.preflight import dataset_texts, text_cache_elements
     from pipetrainer.training.cache.reader import read_entries
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.captions import CaptionOptions
-    from pipetrainer.training.dataset import scan_dataset
+    from pipetrainer.training.data.captions import CaptionOptions
+    from pipetrainer.training.data.dataset import scan_dataset
 
     clip = _clip(name)
     spec = scan_dataset(dataset, 64, captions=CaptionOptions(dropout=0.1, prefix="A picture. "))

@@ -13,9 +13,10 @@ import math
 
 import pytest
 import torch
+from pipetrainer.training.objective.timesteps import sample_sigmas
 from pipetrainer.training.pipelines.base import Batch
-from pipetrainer.training.spec import RunSpec, SamplingOverride, TimestepSpec
-from pipetrainer.training.timesteps import sample_sigmas
+from pipetrainer.training.spec.options import SamplingOverride, TimestepSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 
 N = 40_000
 QUANTILES = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
@@ -176,8 +177,8 @@ def _patched(model, node: str, *args):
                                             ("ModelSamplingFlux", (1.15, 0.5, 768, 512))])
 def test_a_model_sampling_node_reaches_the_training_process(tiny_model, node, args):
     """The node's patch is recorded in the spec and the training process's model samples like it."""
-    from pipetrainer.nodes.graph_patches import patch_problems, sampling_override
-    from pipetrainer.training.model_source import load_model
+    from pipetrainer.nodes.checks.graph_patches import patch_problems, sampling_override
+    from pipetrainer.training.model.model_source import load_model
 
     patched = _patched(tiny_model, node, *args)
     override, problems = sampling_override(patched)
@@ -192,7 +193,7 @@ def test_a_model_sampling_node_reaches_the_training_process(tiny_model, node, ar
 
 
 def test_the_spec_carries_the_override_and_it_changes_the_training_hash(tiny_model, tmp_path):
-    from pipetrainer.nodes.graph_patches import sampling_override
+    from pipetrainer.nodes.checks.graph_patches import sampling_override
 
     override, _ = sampling_override(_patched(tiny_model, "ModelSamplingSD3", 5.0))
     spec = RunSpec.from_json(_spec_json(tiny_model, tmp_path, override))
@@ -202,7 +203,7 @@ def test_the_spec_carries_the_override_and_it_changes_the_training_hash(tiny_mod
 
 
 def _spec_json(model, tmp_path, override: SamplingOverride | None) -> str:
-    from pipetrainer.training.spec import CacheItem, LoraSpec, OptimizerSpec, TrainSpec
+    from pipetrainer.training.spec.options import CacheItem, LoraSpec, OptimizerSpec, TrainSpec
 
     recipe = dataclasses.replace(model.attachments["pipetrainer.recipe"], sampling=override)
     item = CacheItem(str(tmp_path / "l.safetensors"), str(tmp_path / "t.safetensors"), "a.png", "a")
@@ -215,7 +216,7 @@ def _spec_json(model, tmp_path, override: SamplingOverride | None) -> str:
 
 
 def test_other_sampling_and_model_patches_are_refused_by_name(tiny_model):
-    from pipetrainer.nodes.graph_patches import patch_problems, sampling_override
+    from pipetrainer.nodes.checks.graph_patches import patch_problems, sampling_override
 
     _, problems = sampling_override(_patched(tiny_model, "ModelSamplingDiscrete", "v_prediction", False))
     assert len(problems) == 1 and "cannot replay" in problems[0] and "ModelSamplingDiscrete" in problems[0]
@@ -236,7 +237,8 @@ def test_other_sampling_and_model_patches_are_refused_by_name(tiny_model):
 
 def test_the_train_node_refuses_a_patched_model_before_starting(tiny_model, demo_cache, tmp_path):
     from pipetrainer.nodes.train import PipeTrainerTrain
-    from pipetrainer.training.spec import LoraSpec, OptimizerSpec, SpecError
+    from pipetrainer.training.spec.choices import SpecError
+    from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
 
     wrapped = tiny_model.clone()
     wrapped.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))

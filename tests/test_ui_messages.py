@@ -18,10 +18,10 @@ import pytest
 from PIL import Image
 from pipetrainer.devkit.host import history_error
 from pipetrainer.devkit.workflow_ui import NOTE_TYPES, node_size, overlapping_nodes
-from pipetrainer.nodes.loss_plot import loss_curve
-from pipetrainer.nodes.run_messages import CHECKING, RunView, stopped_text
+from pipetrainer.nodes.run.loss_plot import loss_curve
+from pipetrainer.nodes.run.run_messages import CHECKING, RunView, stopped_text
 from pipetrainer.tests.ui_client import NodeTexts
-from pipetrainer.training.spec import TrainSpec
+from pipetrainer.training.spec.options import TrainSpec
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 WORKFLOWS = PACK_DIR / "workflows"

@@ -14,9 +14,10 @@ import pytest
 import torch
 from PIL import Image
 from pipetrainer.tests.helpers import make_spec, run_training
-from pipetrainer.training.rank import EXIT_OK
-from pipetrainer.training.spec import CacheItem, RunSpec, ValidationSpec
-from pipetrainer.training.validation import distinct_items, evaluation_due, split_items, split_problems
+from pipetrainer.training.data.validation import distinct_items, evaluation_due, split_items, split_problems
+from pipetrainer.training.process.rank import EXIT_OK
+from pipetrainer.training.spec.options import CacheItem, ValidationSpec
+from pipetrainer.training.spec.run_spec import RunSpec
 
 
 def _items(n: int) -> list[CacheItem]:
@@ -58,7 +59,7 @@ def test_the_validation_set_survives_the_spec_file_and_leaves_the_training_hash_
 
 
 def test_the_curve_draws_the_validation_points_on_the_training_axis():
-    from pipetrainer.nodes.loss_plot import VALIDATION_COLOUR, loss_curve
+    from pipetrainer.nodes.run.loss_plot import VALIDATION_COLOUR, loss_curve
 
     plain = loss_curve([1.0, 0.8, 0.7], [1, 2, 3])
     with_val = loss_curve([1.0, 0.8, 0.7], [1, 2, 3], validation=[(0, 1.2), (3, 0.9)])
@@ -69,10 +70,10 @@ def test_the_curve_draws_the_validation_points_on_the_training_axis():
 
 def test_validation_noise_and_sigmas_ignore_the_run_seed_and_keep_its_sigma_range(fixture_paths, demo_cache):
     import comfy.sd
-    from pipetrainer.training.data import MicroBatches, load_examples
+    from pipetrainer.training.data.micro_batches import MicroBatches, load_examples
+    from pipetrainer.training.data.validation import ValidationBatches
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.spec import TimestepSpec
-    from pipetrainer.training.validation import ValidationBatches
+    from pipetrainer.training.spec.options import TimestepSpec
 
     model = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit)).model
     adapter = adapter_for("SD3")
@@ -97,9 +98,9 @@ def _oracle_losses(fixture_paths, spec: RunSpec, lora_file: str | None) -> float
     """The validation loss from ComfyUI's own forward: ``apply_model`` (optionally with the LoRA applied by
     ComfyUI's loader), the flow error recovered from its denoised output, averaged like the run."""
     import comfy.sd
-    from pipetrainer.training.data import MicroBatches, load_examples
+    from pipetrainer.training.data.micro_batches import MicroBatches, load_examples
+    from pipetrainer.training.data.validation import ValidationBatches
     from pipetrainer.training.pipelines.base import adapter_for
-    from pipetrainer.training.validation import ValidationBatches
     from safetensors.torch import load_file
 
     patcher = comfy.sd.load_diffusion_model(str(fixture_paths.mmdit), model_options={"dtype": torch.float32})
@@ -154,7 +155,7 @@ def test_the_validation_node_holds_out_a_fraction_or_takes_its_own_cache(comfy_r
     from types import SimpleNamespace
 
     from pipetrainer.nodes.validation import ValidationChoice
-    from pipetrainer.training.spec import SpecError
+    from pipetrainer.training.spec.choices import SpecError
 
     items = tuple(_items(5))
     train, spec = ValidationChoice(every=10, fraction=0.2, sigmas=2).split(items)

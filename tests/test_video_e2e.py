@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 from pipetrainer.devkit.host import ComfyServer, extra_custom_nodes_args, history_error, output_images
 from pipetrainer.tests.ui_client import NodeTexts
-from pipetrainer.training.events import read_all
+from pipetrainer.training.process.events import read_all
 from safetensors.torch import load_file
 
 PACK = Path(__file__).resolve().parent.parent

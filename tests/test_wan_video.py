@@ -31,7 +31,7 @@ def _staged(adapter, dm, batch):
 
 def test_ti2v_first_frame_clean_equals_comfyui_with_a_noise_mask(comfy_root, fixture_paths):
     """First latent frame clean, its tokens at timestep 0, as ComfyUI samples Wan22ImageToVideoLatent."""
-    from pipetrainer.training.loss import noisy_input_and_target
+    from pipetrainer.training.objective.loss import noisy_input_and_target
     from pipetrainer.training.pipelines.wan import WanOptions
 
     model = _load("Wan22-TI2V", comfy_root, fixture_paths)
@@ -100,8 +100,8 @@ def test_i2v_concat_equals_what_wanimagetovideo_builds(comfy_root, fixture_paths
 
 
 def _expert_sigmas(model, options, n=20_000):
-    from pipetrainer.training.spec import TimestepSpec
-    from pipetrainer.training.timesteps import family_timesteps, sample_sigmas
+    from pipetrainer.training.objective.timesteps import family_timesteps, sample_sigmas
+    from pipetrainer.training.spec.options import TimestepSpec
 
     spec = family_timesteps(TimestepSpec(), adapter_for("Wan"), model.diffusion_model, options)
     return spec, sample_sigmas(n, spec, torch.Generator().manual_seed(0), model.model_sampling)
@@ -127,7 +127,7 @@ def test_expert_presets_restrict_sigmas_to_the_experts_range(name, boundary, com
 
 
 def test_expert_and_boundary_are_in_the_lora_metadata(comfy_root, fixture_paths, tmp_path):
-    from pipetrainer.training.lora_file import atomic_save, family_metadata
+    from pipetrainer.training.adapters.lora_file import atomic_save, family_metadata
     from pipetrainer.training.pipelines.options import parse_family_options
     from pipetrainer.training.pipelines.wan import WanOptions
     from safetensors import safe_open
@@ -188,7 +188,7 @@ def test_ti2v_expert_run_trains_with_a_clean_first_frame_and_records_the_expert(
     from pipetrainer.devkit.fixtures_video import WAN22_TI2V_FILE
     from pipetrainer.tests.helpers import losses, make_spec, run_training
     from pipetrainer.tests.test_families import _cache_items
-    from pipetrainer.training.spec import LoraSpec
+    from pipetrainer.training.spec.options import LoraSpec
     from safetensors import safe_open
 
     row = ROW["Wan22-TI2V"]

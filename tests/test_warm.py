@@ -14,10 +14,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pipetrainer.nodes import run_process
-from pipetrainer.nodes.warm_pool import ENTRY, WarmKey, WarmPool
+from pipetrainer.nodes.run import run_process
+from pipetrainer.nodes.run.warm_pool import ENTRY, WarmKey, WarmPool
 from pipetrainer.tests.helpers import losses, make_spec, run_training
-from pipetrainer.training.warm import READY, WarmRank
+from pipetrainer.training.process.warm_rank import READY, WarmRank
 
 
 def _wait_for(predicate, timeout: float = 90.0, what: str = "") -> None:

@@ -232,7 +232,7 @@ def test_the_model_sampling_nodes_before_train_are_replayed(fixture_paths):
     """Each ModelSampling* node (with its settings) that an example puts before Train LoRA, applied by
     ComfyUI's own node to a real model, is recorded as a replayable sampling with no other patch."""
     import comfy_extras.nodes_model_advanced as advanced
-    from pipetrainer.nodes.graph_patches import patch_problems, sampling_override
+    from pipetrainer.nodes.checks.graph_patches import patch_problems, sampling_override
     from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
 
     model = PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, "default").result[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..dataset import BucketSettings, DatasetError
+from ..data.dataset import BucketSettings, DatasetError
 
 RATIO_NOTE_TOLERANCE = 0.1  # report buckets whose rounded ratio is off by more than ~10 %
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..process_util import process_alive
+from ..process.process_util import process_alive
 
 INDEX_FILE = "index.sqlite"
 

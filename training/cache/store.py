@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..dataset import DatasetSpec, ImageEntry
+from ..data.dataset import DatasetSpec, ImageEntry
 from ..pipelines.base import reference_extra
-from ..spec import CacheItem
+from ..spec.options import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
 from .encoders import IMAGE_VAE_FRAME_STEP, ComfyEncoders, Encoders, stored_text
 from .index import CacheIndex, Entry, Source

@@ -180,7 +180,7 @@ class BlockSwapper:
 
     def block_names(self) -> list[str]:
         """The swapped blocks as ComfyUI module paths (or class names), for the run's setup event."""
-        from ..partition import layer_name
+        from ..model.partition import layer_name
 
         return [layer_name(b.module) for b in self._blocks]
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..cache.start_image import START_IMAGE_EXTRAS
-from ..loss import prediction_type
-from ..spec import TimestepSpec
+from ..objective.loss import prediction_type
+from ..spec.options import TimestepSpec
 from .base import REFERENCE_PREFIX, ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
 from .options import parse_family_options
 from .targets import model_targets

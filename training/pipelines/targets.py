@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..block_range import BlockRangeError, resolve_blocks, restrict_regex
+from ..adapters.block_range import BlockRangeError, resolve_blocks, restrict_regex
 from ..quant.layers import is_linear_like
 
 if TYPE_CHECKING:
-    from ..spec import LoraSpec
+    from ..spec.options import LoraSpec
     from .base import FamilyAdapter
 
 BLOCK_LIST_PRESET = "all_linear"  # block lists are the lists holding targets of the widest preset

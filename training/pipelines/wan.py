@@ -362,7 +362,7 @@ class WanAdapter:
     def preflight_problems(self, diffusion_model: nn.Module, facts) -> list[str]:
         """Wan options that do not fit this model or the run's timesteps (training/pipelines/checks.py
         ``FamilyFacts``), each naming the option and the fix."""
-        from ..timesteps import MIN_SIGMA_RANGE
+        from ..objective.timesteps import MIN_SIGMA_RANGE
 
         options, dm = facts.options, diffusion_model
         if not isinstance(options, WanOptions):

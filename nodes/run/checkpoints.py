@@ -1,0 +1,93 @@
+"""Which checkpoint a Train LoRA run continues: the newest one of this LoRA with the same settings, or
+one the user picks from a list of every complete checkpoint in the runs folder.
+
+The list is built whenever ComfyUI builds the node's schema (the frontend's node list on load or
+refresh, and the check of each queue), as the stock loaders list model files. A checkpoint is listed
+once rank 0 has marked it complete (training/resume.py writes the marker after every stage saved), so
+listing never reads a run's event log. An entry reads ``<run folder>/step<N>``: the run folder's name
+starts with the LoRA's name and the run's date and time, which is what a user picks by. Entries are
+relative to the runs folder, so a queued value can only name a folder inside it.
+
+Whether a picked checkpoint may go on with the node's settings is decided by training/resume.py's
+:func:`check_resume` (refused, or allowed with warnings); the node asks before it starts any process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ...training.loop.resume import SAVED_MARKER, check_resume
+from ...training.process.events import read_all
+from ...training.spec.choices import SpecError
+from ...training.spec.run_spec import RunSpec
+from . import paths
+
+NEWEST = "newest"
+CHECKPOINTS_DIR = "checkpoints"  # training/engine.py's CHECKPOINT_DIR inside each run folder
+
+
+def checkpoint_choices(runs_root: str) -> list[str]:
+    """``newest``, then every complete checkpoint: newest save first."""
+    root = Path(runs_root)
+    found: list[tuple[float, str]] = []
+    if root.is_dir():
+        for marker in root.glob(f"*/{CHECKPOINTS_DIR}/*/{SAVED_MARKER}"):
+            tag = marker.parent
+            try:
+                found.append((marker.stat().st_mtime, f"{tag.parent.parent.name}/{tag.name}"))
+            except OSError:  # deleted while listing
+                continue
+    found.sort(key=lambda item: (-item[0], item[1]))
+    return [NEWEST, *(name for _, name in found)]
+
+
+def chosen_checkpoint(choice: str, runs_root: str) -> str:
+    """The folder of a listed checkpoint ``<run folder>/step<N>``; raises naming what to do otherwise."""
+    run, _, tag = choice.partition("/")
+    folder = Path(runs_root) / run / CHECKPOINTS_DIR / tag
+    if not run or not tag or "/" in tag or ".." in (run, tag) or not (folder / SAVED_MARKER).is_file():
+        raise SpecError([f"resume_from {choice!r} is not a complete checkpoint in {runs_root}: choose one from "
+                         "the list (press R in the browser to reload it), or 'newest'."])
+    return str(folder)
+
+
+def newest_checkpoint(name: str, training_hash: str, runs_root: str) -> str:
+    """The newest checkpoint of an earlier run of this LoRA with the same training settings ("" if none)."""
+    if not os.path.isdir(runs_root):
+        return ""
+    stem = paths.lora_stem(name)
+    candidates = sorted((d for d in os.listdir(runs_root) if d.startswith(stem + "-")), reverse=True)
+    for d in candidates:
+        run_dir = os.path.join(runs_root, d)
+        try:
+            earlier = RunSpec.load(os.path.join(run_dir, "spec.json"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if earlier.training_hash() != training_hash:
+            continue
+        saved = [e for e in read_all(run_dir) if e.get("type") == "saved"]
+        for event in reversed(saved):
+            if os.path.isdir(event["checkpoint"]):
+                return event["checkpoint"]
+    return ""
+
+
+def resume_source(resume: bool, choice: str, name: str, spec: RunSpec, runs_root: str) -> str:
+    """The checkpoint folder ``spec`` continues from ("" to start fresh), from the node's two inputs."""
+    if not resume:
+        return ""
+    if not choice or choice == NEWEST:
+        return newest_checkpoint(name, spec.training_hash(), runs_root)
+    return chosen_checkpoint(choice, runs_root)
+
+
+def resume_warning(spec: RunSpec) -> str:
+    """The warning for continuing ``spec.resume_from`` with changed settings ("" if none); raises
+    :class:`SpecError` with the reason when the checkpoint cannot go on with them."""
+    if not spec.resume_from:
+        return ""
+    check = check_resume(spec)
+    if check.refused:
+        raise SpecError([check.refused])
+    return check.warning_text
