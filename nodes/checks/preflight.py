@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...training.cache.plan import latent_layout, text_entries
+from ...training.data.captions import CaptionOptions
 from ...training.offload.stages import blocks_to_swap_problem, uniform_boundaries
 from ...training.pipelines import checks as family_checks
 from ...training.pipelines.checks import CachedShapes, ModelInputs, cache_vs_model_problems
@@ -301,7 +303,7 @@ def deepspeed_problems(installed: bool, platform: str) -> list[str]:
 
 def lora_parameter_count(model: ModelPatcher, lora: LoraSpec) -> int:
     """Adapter parameters the run will train: each targeted Linear's count for the adapter type, as PEFT
-    builds it (LoHa doubles LoRA's ``rank * (in + out)``, LoKr is far smaller; training/adapter_size.py)."""
+    builds it (LoHa doubles LoRA's ``rank * (in + out)``, LoKr is far smaller; training/adapters/size.py)."""
     from ...training.adapters.size import model_adapter_parameter_count
 
     return model_adapter_parameter_count(model.model, lora)
@@ -329,37 +331,29 @@ def _vae_geometry(vae: VAE) -> tuple[int, int, Callable[[int], int]]:
 
 
 def dataset_latent_elements(dataset: DatasetSpec, channels: int, downscale: int, latent_frames: Callable[[int], int]) -> int:
-    """Latent-entry elements of every item at every training resolution: videos at their largest frame
-    bucket, one image latent per reference image, and the cached variants of cache/masks.py (with flip a
-    second, mirrored latent; with a loss mask one channel per latent frame)."""
+    """Latent-entry elements of every item at every training resolution, videos at their largest frame
+    bucket: what the cache's planner (training/cache/plan.py) puts in each item's entry, i.e. the
+    latent, one image latent per reference image, with flip a second, mirrored latent and with a loss
+    mask one channel on the latent grid."""
     settings = getattr(dataset, "bucket_settings", None)
     resolutions = settings.resolutions if settings is not None else (dataset.resolution,)
     max_frames = settings.max_frames if settings is not None else 1
-    flipped = getattr(dataset, "flip", "none") != "none"
-    masked = getattr(dataset, "mask", "none") != "none"
+    flip, mask = getattr(dataset, "flip", "none"), getattr(dataset, "mask", "none")
     total = 0
     for entry in dataset.entries:
         frames = latent_frames(max_frames) if getattr(entry, "is_video", False) else 1
-        per_cell = channels * frames * (2 if flipped else 1) + (1 if masked else 0)
-        per_cell += channels * len(getattr(entry, "references", ()))  # each reference: one image latent
-        total += sum(per_cell * (res // downscale) ** 2 for res in resolutions)
+        layout = latent_layout(entry, flip, mask)
+        total += sum(layout.elements(channels, frames, (res // downscale) ** 2) for res in resolutions)
     return total
 
 
-def dataset_texts(dataset: DatasetSpec) -> list[str]:
-    """The texts the cache encodes for ``dataset``, one per text entry: every distinct caption text (each
-    tag-shuffled variant is its own, behind the prompt prefix), the empty caption when captions drop
-    out, and one per item with reference images (an edit model's prompt may carry them, so equal
-    captions need not share an entry)."""
-    options = getattr(dataset, "captions", None)
-    texts: dict[tuple[str, tuple[str, ...]], None] = {}
-    for entry in dataset.entries:
-        refs = tuple(getattr(entry, "references", ()))
-        variants = options.variants(entry.caption) if options is not None else (entry.caption,)
-        texts.update(((text, refs), None) for text in variants)
-    if options is not None and options.dropout > 0:
-        texts[(options.empty_text(), ())] = None
-    return [text for text, _ in texts]
+def dataset_texts(dataset: DatasetSpec, references_in_prompt: bool = True) -> list[str]:
+    """The texts the cache encodes for ``dataset``, one per text entry, as the cache's planner
+    (training/cache/plan.py) lists them: every distinct caption text (each tag-shuffled variant is its
+    own, behind the prompt prefix) and the empty caption when captions drop out. With
+    ``references_in_prompt`` (the default: an edit model's prompt may carry them, so the estimate stays
+    an upper bound) an item's reference images make its texts entries of their own."""
+    return text_entries(dataset.entries, getattr(dataset, "captions", None) or CaptionOptions(), references_in_prompt)
 
 
 def _token_count(clip: CLIP, text: str) -> int:
@@ -424,7 +418,7 @@ def disk_problems(folder: str, needed: int, free: int, what: str, fix: str) -> l
 def gpu_problems(train: TrainSpec, gpus: str) -> list[str]:
     """The ``gpus`` input against ComfyUI's device and GPUs: one GPU per rank, each one visible.
 
-    The logic and messages (naming each GPU's free and used memory) are nodes/gpus.py's pure functions.
+    The logic and messages (naming each GPU's free and used memory) are nodes/checks/gpus.py's pure functions.
     """
     from .launch import comfyui_device, resolve_gpus
 

@@ -25,7 +25,7 @@ references' content digests in its text key; a caption encoded alone keeps the k
 An item's cached variants (masks.py: the horizontally flipped latent, the loss mask with its mask
 file's content digest) join the latent key the same way: only when the Dataset node turns them on.
 
-A caption's tag-shuffle variants and the empty caption (caption dropout; training/captions.py) are
+A caption's tag-shuffle variants and the empty caption (caption dropout; training/data/captions.py) are
 text entries keyed like any caption, by their own text: no option joins the text key, so turning the
 options off finds the entries the caption had before.
 
@@ -75,7 +75,7 @@ def latent_components(source_digest: str, preprocessing: dict, vae_identity: str
     """Everything a latent depends on, by name (kept beside the key to explain re-encodes).
     ``references``: content digests of the item's reference images, in order (absent without any);
     ``start_image``: the start-image conditioning's identity (absent without one);
-    ``variants``: ``masks.latent_variants`` (``flip``, ``mask``; absent when off)."""
+    ``variants``: ``plan.latent_variants`` (``flip``, ``mask``; absent when off)."""
     out = {"kind": "latent", "v": LATENT_FORMAT_VERSION, "source": source_digest, "prep": preprocessing,
            "vae": vae_identity, "scaling": LATENT_SCALING}
     if references:
@@ -117,7 +117,7 @@ def start_image_signature(start_image: dict | None) -> str:
 
 
 def variants_signature(variants: dict | None) -> str:
-    """Canonical text of an item's ``masks.latent_variants`` ("" with none: the key stays as before)."""
+    """Canonical text of an item's ``plan.latent_variants`` ("" with none: the key stays as before)."""
     return _canonical_json(variants) if variants else ""
 
 

@@ -18,7 +18,7 @@ Alpha (``mask=alpha``): an image with an alpha channel (RGBA, LA, a palette with
 as its mask; an image without alpha, and any video, is an error for that item (the cache skips it and
 reports why): training such an item unmasked would silently ignore the option the user chose.
 
-Both variants join the latent key only when the option is on (see keys.py), so caches written
+Both variants join the latent key only when the option is on (plan.py, keys.py), so caches written
 without them keep their keys; a mask file's content digest is part of its item's key, so a changed
 mask re-encodes exactly that item.
 """
@@ -33,6 +33,7 @@ from PIL import Image, ImageOps
 
 from .buckets import Bucket
 from .media import fit_pixels
+from .plan import caches_flip, caches_mask
 
 FLIPPED_LATENT = "latent_flipped"
 LOSS_MASK = "loss_mask"
@@ -45,21 +46,6 @@ _ASPECT_TOLERANCE = 0.01
 def has_alpha(img: Image.Image) -> bool:
     """Whether ``img`` carries transparency (an alpha band, or a palette/grey transparency entry)."""
     return img.mode in _ALPHA_MODES or "transparency" in img.info
-
-
-def latent_variants(flip: str, mask: str, mask_digest: str = "") -> dict:
-    """What the latent key records of an item's variants (empty with both options off: old keys).
-
-    ``mask_digest``: content digest of the item's mask file (``mask="folder"``); an alpha mask comes
-    from the source's own bytes, already in the key."""
-    out: dict = {}
-    if flip != "none":
-        out["flip"] = "horizontal"
-    if mask == "folder":
-        out["mask"] = {"mode": "folder", "file": mask_digest}
-    elif mask == "alpha":
-        out["mask"] = {"mode": "alpha"}
-    return out
 
 
 def mask_size_problem(image_size: tuple[int, int], mask_size: tuple[int, int]) -> str:
@@ -97,9 +83,9 @@ def encode_variants(pixels: torch.Tensor, latent: torch.Tensor, flip: str, mask:
                     bucket: Bucket, encode: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The variant tensors of one item: ``pixels`` ``[F, H, W, 3]`` as encoded into ``latent``."""
     out = {}
-    if flip != "none":
+    if caches_flip(flip):
         out[FLIPPED_LATENT] = encode(pixels.flip(2))
-    if mask != "none":
+    if caches_mask(mask):
         if mask == "alpha" and pixels.shape[0] > 1:
             raise ValueError("a video has no alpha channel: use mask=folder (one mask image per clip)")
         out[LOSS_MASK] = latent_mask(mask_pixels(source, mask_file, mask, bucket), latent)

@@ -18,15 +18,9 @@ conditioning (``concat_latent``, and ``clip_fea`` with a CLIP-vision model) in t
 The Dataset node's flip and mask options add the item's variants (masks.py: the flipped latent, the
 loss mask) to the same entry; a mask file is read and digested like a reference image.
 
-Caption options (the Dataset node's, training/captions.py): each tag-shuffle variant of a caption is
-a text entry of its own, keyed by its text like any caption (the first is the item's ``text_key``),
-and with caption dropout the empty caption is encoded once, as ``CLIPTextEncode`` encodes ``""``.
-With the options off the plan is what it was, so the keys are too.
-
-The Cache node's ``reference_in_prompt`` (reference_prompt.py) encodes each caption of an item with
-references together with its reference images, as the edit model's ComfyUI text-encode node does; the
-style and the references' digests then join the text key, so a changed reference re-encodes its item's
-text as well as its latent.
+Which text entries and latent variants each item needs (tag-shuffled captions, the empty caption of
+caption dropout, the prompt prefix, references in the prompt, flip and mask) is plan.py's decision,
+shared with the Cache node's disk estimate; this module keys, encodes and stores what it plans.
 """
 
 from __future__ import annotations
@@ -56,11 +50,11 @@ from .keys import (
     prompt_signature,
     start_image_signature,
     text_components,
-    text_key,
     variants_signature,
 )
-from .masks import encode_variants, latent_variants, mask_size_problem
+from .masks import encode_variants, mask_size_problem
 from .media import Probe, load_image, load_video, probe_image, probe_video
+from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
 from .reference_prompt import PromptStyle, load_reference
 from .shards import ShardWriter, checksum, pack
@@ -115,38 +109,6 @@ class CacheResult:
     latent_channels: int
     text_dim: int
     pooled_dim: int
-
-
-@dataclass(frozen=True)
-class _Planned:
-    entry: ImageEntry
-    slot: int  # resolution index
-    bucket: Bucket
-    digest: str  # the source's content digest
-    prep: dict
-    latent_key: str
-    text_key: str
-    references: tuple[str, ...] = ()  # content digests of the entry's reference images
-    texts: tuple[tuple[str, str], ...] = ()  # (key, text) of each tag-shuffle variant, text_key's first
-    variant: int = 0  # which variant this plan encodes (its text slot); -1: the empty caption
-    variants_sig: str = ""  # keys.variants_signature of its flip and mask latents (masks.py; "" = none)
-
-    @property
-    def text(self) -> str:
-        """What this plan's text entry encodes."""
-        return self.texts[0][1] if self.texts else self.entry.caption
-
-    def text_plans(self) -> list[_Planned]:
-        """One plan per text entry of the item (its tag-shuffle variants), each encoding its own text."""
-        if len(self.texts) < 2:
-            return [self]
-        return [dataclasses.replace(self, text_key=k, texts=((k, t),), variant=i) for i, (k, t) in enumerate(self.texts)]
-
-    @property
-    def bucket_name(self) -> str:
-        """Items of a bucket stack: with references, their count is part of the bucket."""
-        refs = len(self.entry.references)
-        return f"{self.bucket.name}+{refs}ref" if refs else self.bucket.name
 
 
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
@@ -263,7 +225,7 @@ class _Filler:
         return digest, probe
 
     def variants_of(self, entry: ImageEntry, probe: Probe, known: dict[str, Source]) -> str:
-        """The item's flip and mask variants as keyed (masks.py), or an error naming its mask's problem."""
+        """The item's flip and mask variants as keyed (plan.py), or an error naming its mask's problem."""
         d, digest = self.dataset, ""
         if d.mask == "folder":
             try:
@@ -276,9 +238,9 @@ class _Filler:
                 raise ValueError(problem)
         return variants_signature(latent_variants(d.flip, d.mask, digest))
 
-    def plan(self) -> list[_Planned]:
+    def plan(self) -> list[ItemPlan]:
         s = self.settings
-        if self.dataset.flip != "none" and self.start_image.identity():
+        if caches_flip(self.dataset.flip) and self.start_image.identity():
             raise ValueError("flip cannot be combined with start-image conditioning (the start image would need "
                              "the same mirror): set the Dataset's flip to 'none' or the Cache's start_image off.")
         plan = plan_buckets(s)
@@ -312,9 +274,8 @@ class _Filler:
             except ValueError as exc:
                 self.report.skipped.append(f"{name}: {exc}")
                 continue
-            variants = self.dataset.captions.variants(entry.caption)  # (caption,) with tag shuffle off
-            prompted = (self.prompt_sig, ref_digests) if self.prompt_sig and ref_digests else ()
-            texts = tuple((text_key(t, text_sig, self.text_dtype, *prompted), t) for t in variants)
+            texts = keyed_texts(caption_texts(self.dataset.captions, entry.caption), text_sig, self.text_dtype,
+                                self.prompt_sig, ref_digests)  # (caption,) with tag shuffle off
             tkey = texts[0][0]
             video = entry.is_video
             for i, res in enumerate(s.resolutions):
@@ -338,35 +299,17 @@ class _Filler:
                         prep["extras"] = extras_signature(self.prep_extras)
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
-                out.append(_Planned(entry, i, bucket, digest, prep,
+                out.append(ItemPlan(entry, i, bucket, digest, prep,
                                     latent_key(digest, sig, vae_id, ref_digests, start_sig, variants_sig), tkey,
                                     ref_digests, texts, variants_sig=variants_sig))
         return out
 
-    def empty_caption_plans(self, planned: list[_Planned]) -> list[_Planned | None]:
-        """With caption dropout, the plan of each item's empty-caption entry (None without dropout).
+    def empty_caption_plans(self, planned: list[ItemPlan]) -> list[ItemPlan | None]:
+        """With caption dropout, the plan of each item's empty-caption entry (plan.py; None without)."""
+        return empty_caption_plans(planned, self.dataset.captions, self.dataset.folder,
+                                   encoder_signature(self.encoders.text_identity()), self.text_dtype, self.prompt_sig)
 
-        Items whose captions are encoded alone share one entry, ``""`` (behind the dataset's prompt
-        prefix, if any) as ``CLIPTextEncode`` encodes it. An item whose captions carry its reference
-        images in the prompt (``reference_in_prompt``) gets that empty text with those images, as the edit model's text-encode node builds its unconditioned input: an
-        edit model never sees its prompt without the images, dropped caption or not."""
-        if not (self.dataset.captions.dropout > 0 and planned):
-            return [None] * len(planned)
-        text_sig = encoder_signature(self.encoders.text_identity())
-        empty = self.dataset.captions.empty_text()  # "" unless a prompt prefix is set
-        key = text_key(empty, text_sig, self.text_dtype)
-        shared = dataclasses.replace(planned[0], entry=ImageEntry(os.path.join(self.dataset.folder, "(empty caption)"), ""),
-                                     text_key=key, texts=((key, empty),), variant=-1, references=())
-        out: list[_Planned | None] = []
-        for p in planned:
-            if self.prompt_sig and p.references:
-                own = text_key(empty, text_sig, self.text_dtype, self.prompt_sig, p.references)
-                out.append(dataclasses.replace(p, text_key=own, texts=((own, empty),), variant=-1))
-            else:
-                out.append(shared)
-        return out
-
-    def components(self, p: _Planned, kind: str) -> dict:
+    def components(self, p: ItemPlan, kind: str) -> dict:
         """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
         if kind == "latent":
             return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references,
@@ -375,7 +318,7 @@ class _Filler:
         return text_components(p.text, self.encoders.text_identity(), self.text_dtype, *prompted)
 
     # ---- phase 3: encode --------------------------------------------------------------------
-    def _encode(self, key: str, kind: str, planned: _Planned) -> None:
+    def _encode(self, key: str, kind: str, planned: ItemPlan) -> None:
         if kind == "latent":
             b = planned.bucket
             if planned.entry.is_video:
@@ -396,14 +339,14 @@ class _Filler:
         shapes = json.dumps({k: list(v.shape) for k, v in tensors.items()})
         self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
 
-    def _encode_caption(self, planned: _Planned) -> dict[str, object]:
+    def _encode_caption(self, planned: ItemPlan) -> dict[str, object]:
         """The plan's text alone, or with its item's reference images in the prompt (reference_prompt.py)."""
         if not (self.prompt_sig and planned.references):
             return self.encoders.encode_text(planned.text)
         images = [load_reference(path) for path in planned.entry.references]
         return self.encoders.encode_text_with_references(planned.text, images, self.reference_prompt)
 
-    def _encode_references(self, planned: _Planned) -> dict[str, object]:
+    def _encode_references(self, planned: ItemPlan) -> dict[str, object]:
         """Each reference resized to cover the item's bucket (one frame), encoded like an image item."""
         size = Bucket(planned.bucket.width, planned.bucket.height)
         out = {}
@@ -421,15 +364,15 @@ class _Filler:
         """Extras the text encoder's family asks the cache to compute per item (prep_extras.py)."""
         return getattr(self.encoders, "prep_extras", None) or {}
 
-    def _prep_extras_of(self, planned: _Planned) -> dict[str, object]:
+    def _prep_extras_of(self, planned: ItemPlan) -> dict[str, object]:
         """The item's preprocessing extras (e.g. SDXL's size and crop), from its probed size and bucket."""
         if not self.prep_extras:
             return {}
         width, height = self.source_sizes[planned.entry.path]
         return make_extras(self.prep_extras, item_crop(width, height, planned.bucket.width, planned.bucket.height))
 
-    def ensure(self, key: str, kind: str, planned: _Planned, entries: dict[str, str],
-               slots: dict[str, tuple[str, str]], deferred: dict[str, tuple[str, _Planned]]) -> None:
+    def ensure(self, key: str, kind: str, planned: ItemPlan, entries: dict[str, str],
+               slots: dict[str, tuple[str, str]], deferred: dict[str, tuple[str, ItemPlan]]) -> None:
         """Reuse, encode (when this process wins the claim) or defer ``key`` to whoever holds it."""
         if key in entries:
             self.report.reused[kind] += 1
@@ -451,7 +394,7 @@ class _Filler:
         finally:
             self.index.release(key)
 
-    def _count_encode(self, key: str, kind: str, planned: _Planned, slots: dict[str, tuple[str, str]]) -> None:
+    def _count_encode(self, key: str, kind: str, planned: ItemPlan, slots: dict[str, tuple[str, str]]) -> None:
         name = Path(planned.entry.path).name
         old = slots.get(_slot(planned, kind))
         if key in self.damaged:
@@ -464,7 +407,7 @@ class _Filler:
         self.report.reencoded_kinds[kind] += 1
         self.report.reencoded.append(f"{name} {kind}: {why}")
 
-    def wait_for_others(self, deferred: dict[str, tuple[str, _Planned]], entries: dict[str, str],
+    def wait_for_others(self, deferred: dict[str, tuple[str, ItemPlan]], entries: dict[str, str],
                         slots: dict[str, tuple[str, str]]) -> None:
         """Keys another process was encoding: wait for them, or take them over if it died."""
         while deferred:
@@ -487,7 +430,7 @@ class _Filler:
         self.check_shards(entries)
         planned = self.plan()
         slots = self.index.slots()
-        deferred: dict[str, tuple[str, _Planned]] = {}
+        deferred: dict[str, tuple[str, ItemPlan]] = {}
         empties = self.empty_caption_plans(planned)
         for n, (p, empty) in enumerate(zip(planned, empties, strict=True)):
             if empty is not None:
@@ -500,7 +443,7 @@ class _Filler:
         self.wait_for_others(deferred, entries, slots)
         return self.collect(planned, entries, slots, [e.text_key if e is not None else "" for e in empties])
 
-    def collect(self, planned: list[_Planned], entries: dict[str, str],
+    def collect(self, planned: list[ItemPlan], entries: dict[str, str],
                 slots: dict[str, tuple[str, str]], empty_keys: list[str] | None = None) -> CacheResult:
         items: list[CacheItem] = []
         changed_slots = []
@@ -534,7 +477,7 @@ class _Filler:
         return CacheResult(tuple(items), self.report, *shapes)
 
 
-def _slot(p: _Planned, kind: str) -> str:
+def _slot(p: ItemPlan, kind: str) -> str:
     """Where a kind of an item's entry is recorded (its last key); a tag-shuffle variant k > 0 has its own."""
     if kind == "latent":
         return f"{p.entry.path}#latent{p.slot}"
