@@ -1,6 +1,6 @@
 """Benchmark: peak RSS per rank and for the whole machine, Flux-min trained with 1 and 2 pipeline stages.
 
-Each rank materialises only its own stage (training/stage_weights.py); this prints what that buys in
+Each rank materialises only its own stage (training/model/stage_weights.py); this prints what that buys in
 host memory. Per rank: the peak RSS (``getrusage``, reported in its ``rank_done`` event), the RSS before
 the model load (imports: the same in every rank) and the ratio to the 1-stage run's peak. Whole
 machine: the sum of the ranks' peaks (an upper bound of what the ranks hold at once). The fixture is

@@ -2,7 +2,7 @@
 
 Runs, in one server: PipeTrainer twice (the first run starts cold; the second is queued once the warm
 tree the first one left has done its imports, as when a user looks at the result first, and takes it:
-nodes/warm_pool.py), then ComfyUI's own TrainLoraNode twice, all on the bundled tiny MMDiT with the demo
+nodes/run/warm_pool.py), then ComfyUI's own TrainLoraNode twice, all on the bundled tiny MMDiT with the demo
 dataset. "Queue -> first step" is, for PipeTrainer, the time of the first ``step`` event minus the time
 the prompt was queued; for the native node (which reports no steps) it is the whole 2-step prompt
 (load, encode, two steps, return; ComfyUI 0.3.75's node fails with one step), an overestimate of its
