@@ -4,7 +4,9 @@ A randomised adapter (every factor non-zero) is saved by the engine's own save f
 is injected from that file, and then: every factor holds the file's exact values (fp32, or a bf16 file's
 values widened; LoKr with both factors whole: the file's ``lokr_w1`` with alpha / rank divided back out),
 re-saving gives the file again, and ComfyUI's own loader applying the file gives the trainer's forward
-(tolerance as tests/test_adapters.py). The error cases name the key, the file and what to set.
+(tolerance as tests/test_adapters.py). A file without ``.alpha`` keys (as other trainers write them)
+continues at alpha = rank, the scale ComfyUI applies it at. The error cases name the key, the file and what
+to set.
 """
 
 from __future__ import annotations
@@ -167,6 +169,62 @@ def test_a_file_for_another_model_or_other_settings_is_a_preflight_error(lora_fi
     assert "has no weights for" in wider and "targets preset" in wider
     narrower = _problems(model, dataclasses.replace(lora, blocks="0-1"), path)
     assert "outside targets" in narrower and "joint_blocks.2." in narrower
+
+
+def test_a_file_without_alpha_keys_continues_at_the_strength_comfyui_applies_it(
+        lora_file, fixture_paths, comfy_mmdit, caplog, tmp_path):  # noqa: F811
+    """A LoRA file without ``.alpha`` keys (other trainers write none): ComfyUI applies ``B @ A`` at scale 1,
+    i.e. alpha = rank. The file's rank is 4; the LoRA Adapter's alpha 3 would train it at 3/4 of the strength
+    ComfyUI gives it, so both checks (preflight and the training process's) refuse it and name alpha 4 (a
+    check that took the node's alpha for the file's finds nothing wrong: this fails). At alpha 4 every
+    module's effective update (PEFT's alpha / rank times ``B @ A``) is the update ComfyUI's own loader computes
+    for the file, and the trainer's forward is ComfyUI's forward with the file."""
+    import comfy.lora
+    from pipetrainer.training.adapters.init_lora import InitLoraError, check_init_lora, read_init_file
+    from pipetrainer.training.adapters.inject import freeze_all_but_lora
+    from pipetrainer.training.adapters.keys import comfy_key_for
+    from pipetrainer.training.pipelines.base import adapter_for
+
+    lora, _, file = lora_file
+    bare = {k: v for k, v in file.items() if not k.endswith(".alpha")}
+    assert len(bare) < len(file)  # the saved file had alpha keys: they are gone
+    path = _write(tmp_path / "no-alpha.safetensors", bare)
+    assert lora.rank == 4 and lora.alpha != lora.rank  # the node's alpha is not the file's (rank)
+    model = comfy_mmdit.model
+    refused = _problems(model, lora, path)
+    assert "has alpha 4," in refused and "set alpha to 4" in refused and str(path) in refused, refused
+    regex = adapter_for("SD3").lora_target_regex(lora.targets)
+    with pytest.raises(InitLoraError, match="set alpha to 4"):
+        check_init_lora(read_init_file(path), _continued(lora, path), model.diffusion_model, regex)
+
+    at_rank = dataclasses.replace(lora, alpha=float(lora.rank))
+    assert _problems(model, at_rank, path) == ""
+    patcher, adapter, indexed, stage = _stage(fixture_paths, _continued(at_rank, path), seed=99)
+    freeze_all_but_lora(stage)
+    paths = {i: layer.comfy_paths for i, layer in indexed}
+    key_map = comfy.lora.model_lora_keys_unet(model, {})
+    patches = comfy.lora.load_lora(bare, key_map)  # ComfyUI's loader: alpha None, scale 1.0
+    modules = [(n, m) for n, m in stage.named_modules() if "default" in getattr(m, "lora_A", {})]
+    assert len(modules) == len(patches) == len(bare) // 2
+    for name, module in modules:
+        module_key, _ = comfy_key_for(f"{name}.lora_A.default.weight", paths, "lora")
+        weight = module.base_layer.weight
+        comfy_delta = patches[f"{module_key}.weight"].calculate_weight(
+            torch.zeros(weight.shape), f"{module_key}.weight", 1.0, 1.0, None, lambda w: w)
+        product = module.lora_B["default"].weight @ module.lora_A["default"].weight
+        trained_delta = module.scaling["default"] * product
+        assert torch.allclose(trained_delta, comfy_delta, rtol=1e-6, atol=1e-7), module_key
+        # The oracle can tell: the node's alpha 3 would give 3/4 of ComfyUI's update.
+        assert not torch.allclose(lora.alpha / lora.rank * product, comfy_delta, rtol=1e-3, atol=1e-5)
+
+    inputs = _inputs(patcher, adapter)
+    noisy, cond, pooled, sigma, batch = inputs
+    trained = _trainer_velocity(indexed, adapter, batch)
+    applied = _comfy_applied(comfy_mmdit, dict(bare), inputs, caplog)
+    base = _comfy_velocity(comfy_mmdit, noisy, cond, pooled, sigma)
+    max_diff = (trained - applied).abs().max().item()
+    assert max_diff <= TOLERANCE, max_diff
+    assert (base - applied).abs().max().item() > 100 * max(max_diff, 1e-6)  # the file really acts
 
 
 def test_a_wrong_shape_names_the_key_the_file_and_the_expected_shape(lora_file, fixture_paths, tmp_path):

@@ -60,6 +60,42 @@ def test_resume_with_lora_dropout_continues_bit_exactly(fixture_paths, comfy_roo
     assert not _same_lora(blind.lora_output, straight.lora_output)
 
 
+def test_each_pipeline_stage_gets_back_its_own_rng_state_not_rank_0s(tmp_path):
+    """With 2 stages each rank drops activations from its own RNG stream (seeded per rank); a checkpoint must
+    give rank 1 rank 1's state back. The states are saved as the engine saves them (every rank into the same
+    checkpoint folder, rank 1 first, so one shared file would be left with rank 0's state) and restored as
+    the engine restores them; a dropout mask drawn after the restore is the one rank 1 would have drawn next
+    without the interruption, and not rank 0's."""
+    from pipetrainer.training.loop.resume import restore_rng_states, save_rng_states, seed_rank_rngs
+
+    cpu = torch.device("cpu")
+    ones = torch.ones(4096)
+    tag = tmp_path / "checkpoints" / "step0000002"
+    saved, next_mask = {}, {}
+    with torch.random.fork_rng(devices=[]):  # this process's RNG stays as it was
+        for rank, draws in ((1, 3), (0, 2)):  # as a training rank: seeded, some steps of dropout, then saved
+            seed_rank_rngs(7, rank)
+            for _ in range(draws):
+                torch.nn.functional.dropout(ones, p=0.1)
+            save_rng_states(tag, rank, cpu)
+            saved[rank] = torch.get_rng_state()
+            next_mask[rank] = torch.nn.functional.dropout(ones, p=0.1) == 0  # the uninterrupted next draw
+        assert not torch.equal(saved[0], saved[1]) and not torch.equal(next_mask[0], next_mask[1])  # can tell
+
+        seed_rank_rngs(7, 1)  # the resumed rank 1 is seeded first, as the engine does, then restores
+        assert restore_rng_states(tag, 1, cpu)
+        assert torch.equal(torch.get_rng_state(), saved[1])
+        assert not torch.equal(torch.get_rng_state(), saved[0])
+        assert torch.equal(torch.nn.functional.dropout(ones, p=0.1) == 0, next_mask[1])
+
+        torch.manual_seed(0)
+        assert restore_rng_states(tag, 0, cpu)
+        assert torch.equal(torch.get_rng_state(), saved[0])
+        before = torch.get_rng_state()
+        assert not restore_rng_states(tag, 2, cpu)  # no state for a rank the run did not have: left alone
+        assert torch.equal(torch.get_rng_state(), before)
+
+
 def _recorded_checkpoint(spec, root: Path) -> str:
     """A checkpoint folder whose record says it was written by ``spec`` (what Trainer.save records)."""
     folder = root / "checkpoints" / "step0000002"
