@@ -2,7 +2,7 @@
 
 The settings are the stock KSampler's (seed, steps, cfg, sampler, scheduler) plus the empty latent's
 size and the prompts, with the graph's CLIP and VAE: the Train node renders each new LoRA file with
-exactly these through ComfyUI's own code (nodes/previews.py), so a preview is what the user gets.
+exactly these through ComfyUI's own code (nodes/run/previews.py), so a preview is what the user gets.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``Regularization Images (PipeTrainer)``: prior images mixed into training, with their own loss weight.
 
-The node only records the choice; Train LoRA checks the cache against the model (nodes/preflight.py)
+The node only records the choice; Train LoRA checks the cache against the model (nodes/checks/preflight.py)
 and puts it into the run spec, and the training process interleaves whole micro-batches of it with the
-training images (training/regularization.py: which micro-batches, and why that keeps resume exact).
+training images (training/data/regularization.py: which micro-batches, and why that keeps resume exact).
 """
 
 from __future__ import annotations

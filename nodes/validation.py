@@ -1,6 +1,6 @@
 """``Validation (PipeTrainer)``: a held-out set whose loss Train LoRA plots next to the training loss.
 
-The node only records the choice; Train LoRA splits the cache (training/validation.py decides which
+The node only records the choice; Train LoRA splits the cache (training/data/validation.py decides which
 items, by content, so every run of a dataset holds out the same ones) and the training process
 evaluates the held-out items at fixed noise and fixed sigmas.
 """

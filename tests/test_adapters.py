@@ -194,7 +194,7 @@ def test_a_bf16_file_is_torch_rounding_of_the_fp32_file(adapter, fixture_paths, 
 def test_dora_is_not_offered_because_comfyui_applies_it_differently(comfy_root):
     """Why there is no DoRA: PEFT divides the magnitude by the row norm of W + s·BA, ComfyUI's
     ``weight_decompose`` (both hosts) by the row norm of W. If this ever fails, ComfyUI applies PEFT's
-    DoRA and the type can be registered (training/adapters.py)."""
+    DoRA and the type can be registered (training/adapters/kinds.py)."""
     from comfy.weight_adapter.base import weight_decompose
     from peft import LoraConfig, inject_adapter_in_model
     from pipetrainer.training.spec.choices import ADAPTER_TYPES

@@ -1,4 +1,4 @@
-"""Caption dropout and tag shuffle (training/captions.py): what is cached, and what each micro-batch trains on.
+"""Caption dropout and tag shuffle (training/data/captions.py): what is cached, and what each micro-batch trains on.
 
 Oracles: ComfyUI's own ``CLIPTextEncode`` for the empty caption (what a model sees for an empty prompt)
 and for every cached variant's text; the key formula of keys.py for "options off keeps the old keys";
@@ -257,7 +257,7 @@ def test_caption_dropout_one_trains_on_clip_text_encode_of_the_empty_prompt(tag_
 
 
 def _labels_equal(a, b) -> bool:
-    """The loss labels: a target, or a tuple of target, weight and item scale (training/loss.py)."""
+    """The loss labels: a target, or a tuple of target, weight and item scale (training/objective/loss.py)."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     return len(a) == len(b) and all(_labels_equal(x, y) for x, y in zip(a, b, strict=True))

@@ -1,13 +1,13 @@
 """The training loop's collectives: right on real gloo ranks in seconds, and right for NCCL by construction.
 
-The semantic tests run training/collectives.py and the clipping hook on two real gloo processes with a
+The semantic tests run training/loop/collectives.py and the clipping hook on two real gloo processes with a
 20 s collective timeout, so a rank-0-only stop decision or a per-stage clipping norm fails in seconds
 instead of hanging a pipeline run until its process-group timeout.
 
 NCCL cannot be exercised here (no GPU, and NCCL only carries CUDA tensors, so a CPU-only box has no
 second device to put a tensor on: any runtime check of "the tensor is on the rank's device" passes on
 CPU whether or not the code honours the device). What can fail on CPU is a static scan of ``training/``:
-every ``torch.distributed`` / ``deepspeed.comm`` communication call lives in training/collectives.py
+every ``torch.distributed`` / ``deepspeed.comm`` communication call lives in training/loop/collectives.py
 (or in the short allow-list below, with the reason it is safe on NCCL), and every *tensor* collective
 there sends a tensor built on the device it was given. The scanner is itself shown to catch the
 original NCCL bug (a CPU stop flag all-reduced in the engine).
@@ -119,10 +119,10 @@ COMMUNICATION = {
 OBJECT_OR_NO_TENSOR = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                        "send_object_list", "recv_object_list", "barrier", "monitored_barrier"}
 DISTRIBUTED_MODULES = {"torch.distributed", "deepspeed.comm"}
-HOME = "training/collectives.py"
+HOME = "training/loop/collectives.py"
 # (file, function) outside collectives.py that may communicate, and why that is right on NCCL.
 ALLOWED = {
-    ("training/rank.py", "barrier"): "no tensor of ours; NCCL's barrier uses the CUDA device rank.py sets first",
+    ("training/process/rank.py", "barrier"): "no tensor of ours; NCCL's barrier uses the CUDA device rank.py sets first",
 }
 
 
@@ -231,7 +231,7 @@ def test_the_scan_catches_a_cpu_flag_on_an_nccl_group():
         "def stop(local):\n    flag = torch.tensor([1.0 if local else 0.0])\n"
         "    dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n    return bool(flag.item())\n"
     )
-    assert nccl_problems("training/engine.py", engine_bug)
+    assert nccl_problems("training/loop/engine.py", engine_bug)
     assert nccl_problems(HOME, engine_bug)
     assert nccl_problems(HOME, engine_bug.replace("0.0])", "0.0], device='cpu')"))
     assert nccl_problems("training/x.py", "from torch.distributed import all_reduce as ar\nar(t)\n")

@@ -1,4 +1,4 @@
-"""Preflight's disk estimate counts each adapter type's real parameters (training/adapter_size.py).
+"""Preflight's disk estimate counts each adapter type's real parameters (training/adapters/size.py).
 
 Oracle: the file the engine actually writes. For each type (and both LoKr layouts, a LoKr factor, a
 block range) the tiny MMDiT gets the run's adapters by the trainer's injection, the engine's save

@@ -54,7 +54,7 @@ def _run_dirs(comfy_root: Path, lora_name: str) -> list[Path]:
 
 def _processes_of(run_dir: Path) -> list[psutil.Process]:
     """Live processes of the run: named by their command line, or by the pids its events record (a
-    pre-started supervisor and rank, nodes/warm_pool.py, were started before the run dir existed)."""
+    pre-started supervisor and rank, nodes/run/warm_pool.py, were started before the run dir existed)."""
     found = {}
     for p in psutil.process_iter(["cmdline"]):
         if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):

@@ -1,4 +1,4 @@
-"""Loss weighting by sigma (training/loss_weighting.py): SD3's ``cosmap`` and ``sigma_sqrt``.
+"""Loss weighting by sigma (training/objective/loss_weighting.py): SD3's ``cosmap`` and ``sigma_sqrt``.
 
 Oracles: ``cosmap`` is the density of SD3's cosine-map timesteps ``t = 1 - 1/(tan(pi u/2) + 1)`` for
 uniform ``u``, estimated here by a histogram of that map (no formula of the trainer involved);

@@ -1,4 +1,4 @@
-"""Previews that are the result: a step's LoRA rendered by ComfyUI's own loader and sampler (nodes/previews.py).
+"""Previews that are the result: a step's LoRA rendered by ComfyUI's own loader and sampler (nodes/run/previews.py).
 
 The oracle is the stock graph: LoraLoaderModelOnly + KSampler + VAEDecode + SaveImage on the real server,
 with the final LoRA file and the same settings, must give the preview's pixels exactly.

@@ -1,4 +1,4 @@
-"""Regularization images (training/regularization.py, nodes/regularization.py).
+"""Regularization images (training/data/regularization.py, nodes/regularization.py).
 
 Oracles: counts of regularization micro-batches (told apart by their latent shape, which only the
 regularization examples have) against ``floor(N * ratio)`` computed here; every mixed micro-batch against

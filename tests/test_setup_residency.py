@@ -3,7 +3,7 @@
 The meta device stands in for the GPU (what lands there is what would use VRAM), and a torch dispatch
 mode watches every op of the set-up: any op that reads a swapped block's frozen tensor and produces a
 tensor on the device is a (partial) load of that block. The set-up is the engine's own sequence
-(training/engine.py: place_stage, freeze, move_trainable, BlockSwapper.attach, then
+(training/loop/engine.py: place_stage, freeze, move_trainable, BlockSwapper.attach, then
 patches/deepspeed_stage_engine.build_stage_engine), on one real gloo rank with real DeepSpeed; the
 blocks are plain torch modules marked swappable, as a family adapter marks its blocks.
 """

@@ -1,4 +1,4 @@
-"""Validation loss: a held-out split at fixed sigmas and fixed noise (training/validation.py).
+"""Validation loss: a held-out split at fixed sigmas and fixed noise (training/data/validation.py).
 
 Oracles: the split by content (independent of order and repeats); the loss a real run reports equals
 ComfyUI's own ``apply_model`` of the base model (step 0) and of the final LoRA applied by ComfyUI's LoRA

@@ -2,7 +2,7 @@
 
 The training process rebuilds the model from its recipe, so anything the graph attached to the
 ModelPatcher would silently vanish. A ModelSampling* node's ``model_sampling`` patch is recorded and
-replayed (training/sampling_override.py); stacked LoRAs are replayed by nodes/stacked_loras.py; every
+replayed (training/model/sampling_override.py); stacked LoRAs are replayed by nodes/checks/stacked_loras.py; every
 other object patch, wrapper or transformer patch is refused here by name, never dropped. Options that
 act only in the sampler (CFG functions) are allowed: training never runs CFG.
 """

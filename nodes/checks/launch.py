@@ -1,9 +1,9 @@
-"""Read how this ComfyUI process was launched, for the run spec (training/launch_settings.py).
+"""Read how this ComfyUI process was launched, for the run spec (training/model/launch_settings.py).
 
 The flags come from ``comfy.cli_args.args``, what ComfyUI itself parsed, never from ``sys.argv`` (a
 launcher or another custom node may have set them, and ComfyUI's parser applies implications, such
 as ``--force-fp16`` setting fp16_unet). The GPUs come from the Train node's ``gpus`` input, checked
-against what this process can see (nodes/gpus.py).
+against what this process can see (nodes/checks/gpus.py).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ one the user picks from a list of every complete checkpoint in the runs folder.
 
 The list is built whenever ComfyUI builds the node's schema (the frontend's node list on load or
 refresh, and the check of each queue), as the stock loaders list model files. A checkpoint is listed
-once rank 0 has marked it complete (training/resume.py writes the marker after every stage saved), so
+once rank 0 has marked it complete (training/loop/resume.py writes the marker after every stage saved), so
 listing never reads a run's event log. An entry reads ``<run folder>/step<N>``: the run folder's name
 starts with the LoRA's name and the run's date and time, which is what a user picks by. Entries are
 relative to the runs folder, so a queued value can only name a folder inside it.
 
-Whether a picked checkpoint may go on with the node's settings is decided by training/resume.py's
+Whether a picked checkpoint may go on with the node's settings is decided by training/loop/resume.py's
 :func:`check_resume` (refused, or allowed with warnings); the node asks before it starts any process.
 """
 
@@ -24,7 +24,7 @@ from ...training.spec.run_spec import RunSpec
 from . import paths
 
 NEWEST = "newest"
-CHECKPOINTS_DIR = "checkpoints"  # training/engine.py's CHECKPOINT_DIR inside each run folder
+CHECKPOINTS_DIR = "checkpoints"  # training/loop/engine.py's CHECKPOINT_DIR inside each run folder
 
 
 def checkpoint_choices(runs_root: str) -> list[str]:

@@ -1,6 +1,6 @@
 """What the Train node tells the user while a run starts, trains, stops or ends.
 
-Plain functions over the run's events (training/events.py), so they are tested without a server; the
+Plain functions over the run's events (training/process/events.py), so they are tested without a server; the
 node only sends the texts (ComfyUI's progress text, shown on the node) and draws the curve. Steps are
 named exactly as the events name them: a resumed run counts on from its checkpoint's step, and the loss
 curve is drawn against the same step numbers.

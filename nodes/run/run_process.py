@@ -49,7 +49,7 @@ def warm_key(spec: RunSpec) -> WarmKey:
 
 def launch(spec: RunSpec, pool: WarmPool | None = None) -> RunHandle:
     """Write the spec into its run dir and start its supervisor in a new session: the pool's warm one
-    (nodes/warm_pool.py) when it fits the run, else a fresh one."""
+    (nodes/run/warm_pool.py) when it fits the run, else a fresh one."""
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"

@@ -1,6 +1,6 @@
 """One pre-started training process tree per ComfyUI process, for the next Train LoRA run.
 
-After a run, the node starts a warm supervisor (training/warm.py) in its own session: it and its warm
+After a run, the node starts a warm supervisor (training/process/warm_rank.py) in its own session: it and its warm
 rank import torch, DeepSpeed and PEFT while the user looks at the result, so the next run starts in
 seconds. A warm tree is taken by exactly one run and never reused; one that no longer fits (another
 device or ComfyUI tree) or has died is discarded and the run starts cold. ``PIPETRAINER_WARM=0`` in

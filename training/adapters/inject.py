@@ -9,7 +9,7 @@ seed gives bit-identical initial LoRA weights on every base dtype and device.
 
 ComfyUI's per-layer-quantized Linears are not ``nn.Linear``: PEFT cannot wrap them, so they get the
 project's :class:`~.quant.layers.QuantLinearLora` (same layout and key names, same initialisation order);
-it implements LoRA only, so other adapter types are refused there (training/adapters.py says why, in
+it implements LoRA only, so other adapter types are refused there (training/adapters/kinds.py says why, in
 preflight and here).
 """
 
@@ -31,9 +31,9 @@ def inject_lora(layers: Iterable[tuple[int, nn.Module]], target_regex: str, spec
 
     ``target_regex`` is the family's preset over ComfyUI module paths; :mod:`.pipelines.targets`
     decides which Linears it selects (the same rule partitioning and preflight use), and PEFT is
-    given exactly those names, with the type's config (training/adapters.py). Initial values are fp32:
+    given exactly those names, with the type's config (training/adapters/kinds.py). Initial values are fp32:
     the type's zero factors are 0, the others Kaiming-uniform (for LoRA: A drawn, B zero); with
-    ``spec.init_lora`` they are then the file's values (training/lora_init.py; the draws still happen,
+    ``spec.init_lora`` they are then the file's values (training/adapters/init_lora.py; the draws still happen,
     so the RNG streams match a fresh run's).
     """
     from peft import inject_adapter_in_model

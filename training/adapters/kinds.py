@@ -46,7 +46,7 @@ class AdapterKind:
     LoRA+ does not apply). ``quant_layers``: whether :class:`~.quant.layers.QuantLinearLora` implements
     it on ComfyUI's per-layer-quantized Linears. ``to_file`` turns one module's ``{factor: fp32 tensor}``
     into its ``{ComfyUI suffix: tensor}`` (scale conventions included); ``from_file`` is its inverse
-    (continuing from a file, training/lora_init.py), and ``file_rank`` reads the rank off one module's
+    (continuing from a file, training/adapters/init_lora.py), and ``file_rank`` reads the rank off one module's
     ``{ComfyUI suffix: shape}`` (None where the layout does not show it)."""
 
     name: str
@@ -115,7 +115,7 @@ def _with_alpha(factors: Mapping[str, str]) -> Callable[[Mapping[str, torch.Tens
 
 def _factors_of(factors: Mapping[str, str]) -> Callable[[Mapping[str, torch.Tensor], LoraSpec], dict[str, torch.Tensor]]:
     """The inverse of :func:`_with_alpha`: each file tensor under its PEFT factor (``alpha`` is checked
-    against the spec by training/lora_init.py, not loaded)."""
+    against the spec by training/adapters/init_lora.py, not loaded)."""
     by_suffix = {suffix: name for name, suffix in factors.items()}
 
     def from_file(tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
@@ -218,7 +218,7 @@ register(AdapterKind(
     file_format="diffusion_model.<ComfyUI module>.hada_w1_a/hada_w1_b/hada_w2_a/hada_w2_b/alpha",
 ))
 
-assert tuple(REGISTRY) == ADAPTER_TYPES, "training/spec.py's ADAPTER_TYPES must list the registry's kinds"
+assert tuple(REGISTRY) == ADAPTER_TYPES, "training/spec/run_spec.py's ADAPTER_TYPES must list the registry's kinds"
 
 
 # ---- names of adapter parameters ------------------------------------------------------------------

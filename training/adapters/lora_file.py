@@ -1,7 +1,7 @@
 """The LoRA file: ComfyUI key names, metadata and atomic writes.
 
 Keys are ``diffusion_model.<ComfyUI module path>.<factor>`` plus ``.alpha``, with the factor names
-of the adapter type (training/adapters.py: ``lora_A.weight``/``lora_B.weight`` for LoRA, ``lokr_w1``...
+of the adapter type (training/adapters/kinds.py: ``lora_A.weight``/``lora_B.weight`` for LoRA, ``lokr_w1``...
 for LoKr, ``hada_w1_a``... for LoHa), which ComfyUI's ``model_lora_keys_unet`` maps for every
 architecture. The mapping from a PEFT parameter name inside a pipeline stage to that key is
 :func:`comfy_key_for`, and nothing else in the project builds these strings.
@@ -39,7 +39,7 @@ def lora_state_dict(
     """ComfyUI-format tensors (each factor per module plus ``alpha``) from PEFT parameters.
 
     ``lora`` gives the adapter type and rank (default: a LoRA of any rank); ``alpha`` is the one written
-    (and folded). The type's ``to_file`` works on fp32 copies (scale folding, training/adapters.py), and
+    (and folded). The type's ``to_file`` works on fp32 copies (scale folding, training/adapters/kinds.py), and
     only then is each tensor cast to ``dtype``, so a bf16 file is exactly torch's rounding of the fp32
     one. ``alpha`` stays fp32."""
     spec = dataclasses.replace(lora, alpha=alpha) if lora is not None else LoraSpec(alpha=alpha)

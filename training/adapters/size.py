@@ -2,7 +2,7 @@
 
 LoRA adds ``rank * (in + out)`` to a Linear, but LoHa adds twice that and LoKr far less (its factors
 are Kronecker factors of the weight's shape, decomposed or whole by PEFT's rules), so one formula
-over-counts one type and under-counts the other. Each registered type (training/adapters.py) has its
+over-counts one type and under-counts the other. Each registered type (training/adapters/kinds.py) has its
 rule here, keyed by the type's name; a type without one fails at import, not in a user's preflight.
 
 The rules are plain arithmetic on purpose: preflight runs in the ComfyUI process, which never imports
@@ -52,7 +52,7 @@ def _lokr(fan_in: int, fan_out: int, lora: LoraSpec) -> int:
 
 
 PER_LINEAR: dict[str, Callable[[int, int, LoraSpec], int]] = {"lora": _lora, "lokr": _lokr, "loha": _loha}
-assert set(PER_LINEAR) == set(REGISTRY), "every adapter type in training/adapters.py needs a count rule here"
+assert set(PER_LINEAR) == set(REGISTRY), "every adapter type in training/adapters/kinds.py needs a count rule here"
 
 
 def adapter_parameter_count(lora: LoraSpec, shapes: Iterable[tuple[int, int]]) -> int:

@@ -10,7 +10,7 @@ encoded twice.
 Caption dropout trains an item on the empty caption's embedding instead, with probability
 ``dropout``: what ComfyUI's ``CLIPTextEncode`` gives for ``""`` with the same text encoder, i.e.
 what the model is conditioned on when a prompt is left empty. The choice is made per item of each
-micro-batch by the trainer (training/data.py), from a generator of its own.
+micro-batch by the trainer (training/data/micro_batches.py), from a generator of its own.
 
 A prompt prefix is what the sampling graph's text-encode node puts before every prompt (Lumina 2's
 ``CLIPTextEncodeLumina2``: its system prompt and ``" <Prompt Start> "``). It goes in front of every

@@ -96,7 +96,7 @@ class DatasetSpec:
     notes: tuple[str, ...] = field(default=())
     buckets: BucketSettings | None = None
     control_folder: str = ""  # where the entries' reference images came from ("" = none)
-    captions: CaptionOptions = CaptionOptions()  # caption dropout and tag shuffle (training/captions.py)
+    captions: CaptionOptions = CaptionOptions()  # caption dropout and tag shuffle (training/data/captions.py)
     flip: str = "none"  # "random": a mirrored latent is cached per item, used half the time (cache/masks.py)
     mask: str = "none"  # loss mask: "alpha" (the image's) or "folder" (mask_folder, paired by name)
     mask_folder: str = ""

@@ -48,7 +48,7 @@ class Example:
     pooled: torch.Tensor | None  # [D]
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the family's named extras (ExtraSpec)
     latent_extra_shapes: tuple = ()  # (name, shape) of the latent entry's extras (reference latents), sorted
-    # Caption options (training/captions.py), first stage only: the tag-shuffle variants drawn among per
+    # Caption options (training/data/captions.py), first stage only: the tag-shuffle variants drawn among per
     # micro-batch (cond/pooled above are the first), and the empty caption drawn with caption_dropout.
     text_variants: tuple[TextChoice, ...] = ()
     empty_text: TextChoice | None = None
@@ -266,7 +266,7 @@ class MicroBatches:
 
     def captioned(self, batch: list[Example], micro: int) -> list[Example]:
         """Each item's text in micro-batch ``micro``: the empty caption with probability caption_dropout,
-        else one of its tag-shuffle variants (training/captions.py).
+        else one of its tag-shuffle variants (training/data/captions.py).
 
         Drawn from a generator of its own, seeded by the run seed and the global micro-batch index,
         two draws per position in the batch: the noise stream is the same with the options on or off,

@@ -12,7 +12,7 @@ micro-batch ``i`` is the training stream's ``i - floor(i * ratio)``-th, a regula
 regularization stream's ``floor(i * ratio)``-th. With regularization off the training stream sees
 exactly the indices it saw before the option existed. The regularization stream has its own seed
 (:data:`SEED_OFFSET` from the run's), so its shuffles, noise and sigmas are its own, and its labels carry
-``weight`` as the micro-batch's ``item_scale`` (the labels contract of training/loss.py).
+``weight`` as the micro-batch's ``item_scale`` (the labels contract of training/objective/loss.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ NCCL carries CUDA tensors only: a CPU tensor all-reduced on a group whose backen
 ("No backend type associated with device type cpu"), which would end every multi-GPU run after its
 first step. So a tensor collective here takes the rank's compute device and builds its tensor there.
 Object collectives pickle into a byte tensor that torch places on ``torch.cuda.current_device()`` for
-NCCL, which training/rank.py sets (``torch.cuda.set_device``) before the process group starts.
+NCCL, which training/process/rank.py sets (``torch.cuda.set_device``) before the process group starts.
 
 Nothing else in ``training/`` calls ``torch.distributed`` communication functions:
 tests/test_collectives.py scans the package for them, and runs these functions on real gloo ranks.

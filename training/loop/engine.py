@@ -82,7 +82,7 @@ class RankContext:
 
 
 def build_optimizer(spec: RunSpec, named_params) -> StageOptimizer:
-    """The stage's optimizer, LR schedule and EMA (training/optimizers.py) for its trainable
+    """The stage's optimizer, LR schedule and EMA (training/optim/optimizers.py) for its trainable
     ``(name, parameter)`` pairs: names decide LoRA+ and the weight-decay groups."""
     return build_stage_optimizer(spec.optimizer, named_params, spec.train.steps)
 
@@ -95,7 +95,7 @@ def deepspeed_config(spec: RunSpec, data_parallel: int) -> dict:
         "train_batch_size": t.batch_size * t.grad_accum * data_parallel,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        # Clipping is ours (training/clipping.py): DeepSpeed's clips each pipeline stage by its own norm.
+        # Clipping is ours (training/optim/clipping.py): DeepSpeed's clips each pipeline stage by its own norm.
         "gradient_clipping": 0.0,
     }
 
@@ -115,7 +115,7 @@ class Trainer:
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self, patcher, deferred: DeferredWeights | None = None) -> None:
         """Build this rank's stage. With ``deferred`` (the rank's normal path) only this stage's frozen
-        weights are loaded (training/stage_weights.py); without it the patcher holds every weight."""
+        weights are loaded (training/model/stage_weights.py); without it the patcher holds every weight."""
         from deepspeed.pipe import PipelineModule
 
         spec, ctx = self.spec, self.ctx

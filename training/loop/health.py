@@ -39,7 +39,7 @@ def check_loss(loss: float, step: int, lr: float) -> None:
 def check_lora_update(tensors: Mapping[str, torch.Tensor], step: int, lr: float,
                       zero_suffixes: tuple[str, ...] = (".lora_B.weight",)) -> None:
     """Raise :class:`LoraUntrained` naming ``step`` when every tensor in ``tensors`` whose key ends in one of
-    ``zero_suffixes`` (the adapter type's zero-initialised factors, training/adapters.py) is zero."""
+    ``zero_suffixes`` (the adapter type's zero-initialised factors, training/adapters/kinds.py) is zero."""
     b = [t for key, t in tensors.items() if key.endswith(zero_suffixes)]
     if not b or any(bool(t.any()) for t in b):
         return

@@ -62,7 +62,7 @@ class TensorBoardLog:
 
     def images(self, step: int, images: Mapping[str, Any]) -> None:
         """Write each image (an [H, W, 3] uint8 array) under its tag at ``step``, then flush: the Train
-        node's previews (nodes/previews.py) go beside the rank's scalars, from the ComfyUI process."""
+        node's previews (nodes/run/previews.py) go beside the rank's scalars, from the ComfyUI process."""
         if self._writer is None:
             return
         for tag, image in images.items():

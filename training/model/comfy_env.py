@@ -4,7 +4,7 @@ The training process (and tests, and fixture builders) import ``comfy.*`` from t
 in the spec. ComfyUI reads its command-line options from ``comfy.cli_args.args`` at import of
 ``comfy.model_management`` (and of ``comfy.ldm.modules.attention``, which picks the attention function
 from them). So the switches the ComfyUI process was launched with (``--cpu``, the attention backend,
-precision and memory flags; see training/launch_settings.py) are set there, as the flags would, before
+precision and memory flags; see training/model/launch_settings.py) are set there, as the flags would, before
 that import: ComfyUI's own switches, no patching of its functions.
 """
 

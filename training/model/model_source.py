@@ -63,7 +63,7 @@ def use_compute_dtype(patcher, compute_dtype: str) -> None:
     ComfyUI chooses a manual-cast dtype at load time from the device and the model's supported
     inference dtypes (fp16 on many GPUs for SD3, fp32 on CPU). Its manual-cast layers cast each weight
     to the dtype of their input, and the trainer feeds inputs in ``manual_cast_dtype`` (or the weight
-    dtype when that is None; training/data.py), so setting it here decides the compute dtype. fp8
+    dtype when that is None; training/data/micro_batches.py), so setting it here decides the compute dtype. fp8
     weights always get manual-cast layers from ComfyUI, so the cast happens in every Linear.
     """
     compute = COMPUTE_DTYPES[compute_dtype]
@@ -119,7 +119,7 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
 
 def _loads_only_in_full(recipe: ModelRecipe) -> bool:
     """ComfyUI 0.3.75's per-layer-quantized Linear raises when its weight is not in the state dict it is
-    given, so the stage-wise deferred load (training/stage_weights.py) cannot keep its weights aside:
+    given, so the stage-wise deferred load (training/model/stage_weights.py) cannot keep its weights aside:
     such a file loads in full on every rank (its weights stay fp8). Current ComfyUI defers it as usual.
 
     GGUF always loads in full: its weights are views of the memory-mapped file (loading reads nothing;

@@ -12,7 +12,7 @@ weight. Two of its schemes are offered, with the raw weights of its reference tr
   weight under uniform sigmas is 1 (between 2/pi at the ends and 4/pi at s = 0.5).
 
 They scale each item's share of the mean squared error (the ``item_scale`` of the labels contract in
-training/loss.py), so the loss and its gradient change, the sampled sigmas do not. They mean something
+training/objective/loss.py), so the loss and its gradient change, the sampled sigmas do not. They mean something
 for flow (CONST) models only, whose sigma is the noise share in [0, 1]; eps and v models are refused.
 """
 

@@ -18,7 +18,7 @@
 - **EMA** of the trainable weights through ``torch.optim.swa_utils`` (updated after every optimizer
   step), saved as its own LoRA file; its state goes into each checkpoint, one file per rank.
 - **Prodigy on several ranks** estimates one step size from the sums over every rank (each pipeline
-  stage alone would estimate its own): training/prodigy_ranks.py.
+  stage alone would estimate its own): training/optim/prodigy_ranks.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..spec.choices import SCHEDULE_FREE_OPTIMIZERS
 from ..spec.options import OptimizerSpec
 
 # PEFT's names of the factors LoRA+ speeds up (LoRA's up projection, lora_B): every registered
-# adapter type's ``up`` factors (training/adapters.py); types without one get no LoRA+ group.
+# adapter type's ``up`` factors (training/adapters/kinds.py); types without one get no LoRA+ group.
 LORA_PLUS_MARKERS = tuple(m for kind in REGISTRY.values() for m in kind.up_markers())
 EMA_SUFFIX = "_ema"
 
@@ -74,7 +74,7 @@ def _prodigy(groups: list[dict], o: OptimizerSpec) -> torch.optim.Optimizer:
     # Its authors advise the safeguard with a warm-up: the step-size estimate then ignores the small rates.
     settings = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                     safeguard_warmup=o.warmup_steps > 0)
-    summed = _several_ranks()  # the estimate over every rank's parameters (training/prodigy_ranks.py)
+    summed = _several_ranks()  # the estimate over every rank's parameters (training/optim/prodigy_ranks.py)
     if summed:
         from .prodigy_ranks import RankSummedProdigy
 

@@ -1,6 +1,6 @@
 """Family-dependent preflight checks: a cache and a LoRA preset against a ComfyUI model, as pure functions.
 
-The node layer (nodes/preflight.py) reads the facts (cached tensor shapes from the cache index, the
+The node layer (nodes/checks/preflight.py) reads the facts (cached tensor shapes from the cache index, the
 ComfyUI MODEL) and calls these; every rule they apply comes from the family adapter (patch sizes,
 video or image, text widths, named extras, LoRA targets), so a new family brings its own checks
 with its module. Nothing here builds stage layers, imports the trainer libraries (DeepSpeed, PEFT)
@@ -285,7 +285,7 @@ def timestep_problems(timesteps: TimestepSpec, prediction: str, family: str,
     ``shift`` none / fixed / resolution map a draw in [0, 1] straight to a flow-matching sigma (noise
     share 0 to 1), and ``sigma_min`` / ``sigma_max`` are such noise shares; an eps- or v-prediction
     model (SDXL, CosXL) has its own sigma schedule (``sigma_range``, e.g. 0.03 to 14.6), so those
-    settings would train noise levels its sampler never visits. ``prediction``: training/loss.py's kind.
+    settings would train noise levels its sampler never visits. ``prediction``: training/objective/loss.py's kind.
     """
     if prediction == "flow":
         return []

@@ -3,12 +3,12 @@
 Eps- and v-prediction SDXL models (and the smaller SDXL-class distillations ComfyUI loads as
 ``model_base.SDXL``: SSD-1B, Vega, KOALA) share one data flow; which target the loss uses is decided
 by the model's own ``model_sampling`` (ComfyUI reads the ``v_pred`` / ``ztsnr`` flags of the file),
-in training/loss.py. Playground 2.5 (EDM prediction) has another formula and is refused there by
+in training/objective/loss.py. Playground 2.5 (EDM prediction) has another formula and is refused there by
 name; inpainting and InstructPix2Pix SDXL (image latents concatenated to the noise) are refused here;
 the refiner (``SDXLRefiner``) is another model class and is not registered. CosXL-style files
 (``edm_vpred``: v-prediction on ComfyUI's continuous EDM schedule, ``ModelSamplingContinuousEDM``
 with the file's own sigma range) train with the v target, and their default sigmas span the file's
-range as ComfyUI's ``normal`` scheduler does (training/timesteps.py ``timestep_range``: their
+range as ComfyUI's ``normal`` scheduler does (training/objective/timesteps.py ``timestep_range``: their
 timesteps are ``log(sigma) / 4``, so the range starts at ``timestep(sigma_min)``, not at 0).
 Flow-only timestep settings (shift none / fixed / resolution, sigma_min / sigma_max) are refused for
 every SDXL model in preflight (training/pipelines/checks.py ``timestep_problems``).
@@ -26,7 +26,7 @@ Stage tuples (``B`` batch, ``T`` text tokens; ``hs`` the UNet's skip stack, newe
   skip, concatenates it to ``h`` and upsamples to the next skip's size (``output_shape``, as ComfyUI
   does, so odd latent sizes come back exactly). Once no later layer has a transformer, ``context`` is
   dropped from the tuple, and the last output block drops ``emb`` too: a tensor that crosses a stage
-  boundary must be used by the receiving side (training/engine.py);
+  boundary must be used by the receiving side (training/loop/engine.py);
 - out: ``(h,)`` -> the prediction, shaped like ``x``.
 
 So the skip tensors cross every boundary inside the UNet: at 1024x1024 SDXL they are ~27 M values

@@ -11,7 +11,7 @@ their ComfyUI paths (``StageLayer.comfy_paths``); a module a layer holds without
 parameter-free helper such as Flux's ``pe_embedder``) is never a target.
 
 A run's regex is the preset's limited to the LoRA Adapter's ``blocks`` (:func:`run_target_regex`;
-numbering in training/block_range.py): every caller that selects targets for a run goes through it.
+numbering in training/adapters/block_range.py): every caller that selects targets for a run goes through it.
 """
 
 from __future__ import annotations

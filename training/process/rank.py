@@ -101,7 +101,7 @@ def _train(spec: RunSpec, rank: int, world: int, local_rank: int, events: EventW
     )
     enable_comfy_training_mode()  # after set_device: RoPE models need it for backward on current ComfyUI
     load_group = loading_group(float(os.environ.get("PIPETRAINER_LOAD_TIMEOUT", "7200")))
-    deferred = DeferredWeights()  # only this rank's stage gets its weights (training/stage_weights.py)
+    deferred = DeferredWeights()  # only this rank's stage gets its weights (training/model/stage_weights.py)
     events.emit("rank_memory", rank=rank, before_load_mb=rss_mb(), peak_before_load_mb=peak_rss_mb())
     if rank == 0:  # start-up phases, shown on the Train node until the first step reports
         events.emit("phase", phase="loading_model", text="loading the model")

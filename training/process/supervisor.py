@@ -72,7 +72,7 @@ def _terminate(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def supervise(spec_path: str, entry: str, warm_rank: WarmRank | None = None) -> int:
-    """Run the ranks of the spec to the end; ``warm_rank`` (training/warm.py) becomes rank 0 if it fits."""
+    """Run the ranks of the spec to the end; ``warm_rank`` (training/process/warm_rank.py) becomes rank 0 if it fits."""
     spec = RunSpec.load(spec_path).validated()
     run_dir = Path(spec.run_dir)
     logs = run_dir / "logs"
@@ -115,7 +115,7 @@ def watch_ranks(procs: Sequence[subprocess.Popen], run_dir: Path, events: EventW
     A rank that exits with anything but EXIT_OK / EXIT_STOPPED fails the run whenever it exits, also
     after its peers finished: a missing stage must never be reported as done. The other ranks are then
     terminated and a ``failed`` event names the rank with the tail of ``logs/rank<r>.log`` and, when the
-    kernel's records show its OOM killer ended the rank, that cause (training/deaths.py). If the
+    kernel's records show its OOM killer ended the rank, that cause (training/process/deaths.py). If the
     ComfyUI process (``parent_pid``) disappears, the ranks are asked to stop, then ended after a grace.
     """
     logs = run_dir / "logs"
@@ -146,7 +146,7 @@ def watch_ranks(procs: Sequence[subprocess.Popen], run_dir: Path, events: EventW
 
 
 def _slow_peers(run_dir: Path, rank: int, alive: list[int]) -> tuple[str | None, str | None]:
-    """``("slow_peer", message)`` when ``rank`` timed out while other ranks still ran (training/slowness.py)."""
+    """``("slow_peer", message)`` when ``rank`` timed out while other ranks still ran (training/process/slowness.py)."""
     from .events import read_all
 
     events = read_all(run_dir)

@@ -2,7 +2,7 @@
 
 Most of the time from Queue to the first step of a small run is a fresh Python importing torch,
 DeepSpeed and PEFT (transformers) in each rank. The node therefore keeps one *warm* supervisor ready
-(nodes/warm_pool.py): started in its own session like any supervisor, it starts a warm rank that
+(nodes/run/warm_pool.py): started in its own session like any supervisor, it starts a warm rank that
 imports those packages and then waits. When a run starts, the node writes the spec path to the warm
 supervisor's stdin; it then supervises exactly like a cold one, except that rank 0 is the warm rank,
 told its environment, log file and spec on its stdin. Ranks 1.. start cold.

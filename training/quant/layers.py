@@ -8,7 +8,7 @@ anew by every ``mixed_precision_ops`` call, so it is recognised by its place in 
 
 :class:`QuantLinearLora` is the project's LoRA for those layers. It mirrors PEFT's ``LoraLayer``
 layout (``base_layer``, ``lora_A.default``, ``lora_B.default``), so parameter names, freezing,
-initialisation and the saved key names (training/lora_file.py) are the same as for PEFT's layers, and
+initialisation and the saved key names (training/adapters/lora_file.py) are the same as for PEFT's layers, and
 it computes what PEFT's ``Linear`` computes: the base layer's output (ComfyUI's own forward and
 backward) plus ``scaling * B(A(dropout(x)))`` in the LoRA's fp32, cast back to the output's dtype.
 """

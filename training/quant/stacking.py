@@ -1,7 +1,7 @@
 """Which quantized bases can take LoRAs stacked before training (LoraLoaderModelOnly ahead of Train LoRA).
 
 The training process merges stacked LoRAs into the frozen base's weights before training
-(training/model_source.py). That works for full-precision and plain fp8 weights (merged in fp32 and
+(training/model/model_source.py). That works for full-precision and plain fp8 weights (merged in fp32 and
 stored back in the weight's dtype), but not for:
 
 - legacy scaled fp8 and ComfyUI's per-layer-quantized files: the stored fp8 values only mean something
@@ -10,7 +10,7 @@ stored back in the weight's dtype), but not for:
 - GGUF files: the weights are GGML blocks, which ComfyUI-GGUF only dequantizes on the fly; a merge
   would have to requantize every patched layer.
 
-One rule, two callers: the Train node's preflight (nodes/preflight.py, before any process starts, so
+One rule, two callers: the Train node's preflight (nodes/checks/preflight.py, before any process starts, so
 the user learns it at once) and the training process's loader (a spec written by hand or by an older
 node). :func:`stacked_lora_problem` is a pure function of plain values; :func:`recipe_base_kind` reads
 the one fact it needs (the file's weight format) from a safetensors header only.

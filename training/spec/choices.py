@@ -46,13 +46,13 @@ TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal")
 TIMESTEP_SHIFTS = ("model", "none", "fixed", "resolution")
 
 
-LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # SD3's per-sigma loss weights (training/loss_weighting.py)
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # SD3's per-sigma loss weights (training/objective/loss_weighting.py)
 
 
 TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
 
 
-ADAPTER_TYPES = ("lora", "lokr", "loha")  # training/adapters.py registers one entry for each
+ADAPTER_TYPES = ("lora", "lokr", "loha")  # training/adapters/kinds.py registers one entry for each
 
 
 SAVE_DTYPES = ("bf16", "fp32")  # dtype of the saved adapter file (training keeps fp32 weights)

@@ -27,7 +27,7 @@ from .choices import (
 class ModelRecipe:
     """How the training process rebuilds the exact MODEL the graph loaded, with ComfyUI's own loader."""
 
-    loader: str  # "diffusion_model" | "checkpoint" | "gguf" (training/model_source.py replays each)
+    loader: str  # "diffusion_model" | "checkpoint" | "gguf" (training/model/model_source.py replays each)
     path: str
     weight_dtype: str = "default"
     fingerprint: str = ""
@@ -54,7 +54,7 @@ class SamplingOverride:
 
 @dataclass(frozen=True)
 class TimestepSpec:
-    """How training draws sigmas (see training/timesteps.py for the exact maps).
+    """How training draws sigmas (see training/objective/timesteps.py for the exact maps).
 
     ``distribution`` draws u in (0, 1): ``uniform`` or ``logit_normal`` (sigmoid of N(mean, std)).
     ``shift`` maps u to sigma: ``model`` through the model's own ``model_sampling`` (what its
@@ -105,7 +105,7 @@ class CacheItem:
     entries in it (see training/cache); without keys they are plain safetensors files. Items of one
     ``bucket`` share tensor shapes, so a micro-batch draws from one bucket.
 
-    Caption options (training/captions.py): ``text_variants`` are the keys of the caption's cached
+    Caption options (training/data/captions.py): ``text_variants`` are the keys of the caption's cached
     tag-shuffled variants (``text_key`` is the first; empty: ``text_key`` only), one drawn per
     micro-batch; with probability ``caption_dropout`` the item trains on ``empty_text_key`` (the
     empty caption's entry) instead.
@@ -141,12 +141,12 @@ class CacheItem:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """The adapter. ``adapter`` is its type (training/adapters.py); ``factor`` is LoKr's Kronecker
+    """The adapter. ``adapter`` is its type (training/adapters/kinds.py); ``factor`` is LoKr's Kronecker
     factor (-1: near the square root of each dimension). ``save_dtype`` is the file's dtype: the
     LoRA Adapter node defaults to bf16 (what other trainers save); a spec without it (written before
     the choice existed) saves fp32, as those runs did. ``blocks`` limits the targets to some transformer
-    blocks (training/block_range.py; empty: all). ``init_lora`` is a LoRA file (absolute path) training
-    starts from, ``init_lora_digest`` its content hash (training/lora_init.py); empty: fresh adapters."""
+    blocks (training/adapters/block_range.py; empty: all). ``init_lora`` is a LoRA file (absolute path) training
+    starts from, ``init_lora_digest`` its content hash (training/adapters/init_lora.py); empty: fresh adapters."""
 
     rank: int = 16
     alpha: float = 16.0
@@ -184,7 +184,7 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """The optimizer and its schedule (built by training/optimizers.py).
+    """The optimizer and its schedule (built by training/optim/optimizers.py).
 
     ``warmup_steps``: step k < warmup_steps runs at (k + 1) / warmup_steps of the rate. Decaying
     schedules end at ``min_lr_ratio`` × the rate; ``cycles`` cosines for ``cosine_with_restarts``.
@@ -305,7 +305,7 @@ class RegularizationSpec:
     """Regularization (prior) images: a second cache mixed into training by whole micro-batches.
 
     Micro-batch ``i`` of each replica is a regularization one when ``floor((i + 1) * ratio)`` exceeds
-    ``floor(i * ratio)`` (training/regularization.py), so any ``N`` consecutive micro-batches hold
+    ``floor(i * ratio)`` (training/data/regularization.py), so any ``N`` consecutive micro-batches hold
     ``floor(N * ratio)`` or one more of them; their loss is scaled by ``weight``. No items: off.
     """
 

@@ -63,7 +63,7 @@ class RunSpec:
     # by training.pipelines.options; JSON scalars only.
     family_options: dict[str, Any] = field(default_factory=dict)
     # How the ComfyUI process was launched (attention, precision, memory flags) and the run's GPUs;
-    # the ranks apply it before ComfyUI loads (training/launch_settings.py). Not in training_hash.
+    # the ranks apply it before ComfyUI loads (training/model/launch_settings.py). Not in training_hash.
     launch: LaunchSettings = LaunchSettings()
     # The held-out set and how often it is evaluated; not in training_hash (it never changes the weights).
     validation: ValidationSpec = ValidationSpec()
