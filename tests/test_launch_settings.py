@@ -206,6 +206,18 @@ def test_memory_modes_apply_on_cuda_only():
     assert dynamic["disable_dynamic_vram"] and not dynamic["enable_dynamic_vram"]
 
 
+@pytest.mark.parametrize("mode", ["highvram", "gpu_only"])
+def test_whole_model_vram_modes_are_never_replayed_to_the_ranks_and_the_log_says_so(mode):
+    """With --highvram / --gpu-only ComfyUI's loader keeps the whole model on the GPU: every rank would hold
+    the whole model, even with 2 stages. The ranks run in ComfyUI's normal mode and the run log says why."""
+    plan = plan_rank_args(LaunchSettings(vram_mode=mode), device="cuda", train_dtype="bf16")
+    assert not any(plan.comfy_args[m] for m in ("gpu_only", "highvram", "lowvram", "novram", "normalvram"))
+    flag = "--" + mode.replace("_", "-")
+    assert [n for n in plan.notes if flag in n and "whole model on every rank's GPU" in n], plan.notes
+    assert not [n for n in plan_rank_args(LaunchSettings(vram_mode="lowvram"), device="cuda",
+                                          train_dtype="bf16").notes if "whole model" in n]
+
+
 def test_dynamic_vram_flags_of_current_comfyui(comfy_root):
     import comfy.cli_args
 

@@ -42,6 +42,10 @@ UNET_COMPUTE = ("fp32", "fp64", "bf16", "fp16")
 UNET_STORAGE = ("fp8_e4m3fn", "fp8_e5m2", "fp8_e8m0fnu")
 UNET_PRECISIONS = ("", *UNET_COMPUTE, *UNET_STORAGE)
 VRAM_MODES = ("", "gpu_only", "highvram", "normalvram", "lowvram", "novram")
+# Modes in which ComfyUI's loader keeps the whole model on the GPU: replayed to a rank, every rank would
+# load the whole model onto its GPU, whatever its pipeline stage or blocks_to_swap. The ranks place their
+# own stage instead (training/offload/placement.py), so these are never replayed.
+WHOLE_MODEL_VRAM_MODES = ("gpu_only", "highvram")
 DYNAMIC_VRAM = {"auto": "", "enable": "enable_dynamic_vram", "disable": "disable_dynamic_vram"}  # current ComfyUI
 FAST_FP8_MATMUL = "fp8_matrix_mult"  # ComfyUI's fp8 matmul (torch._scaled_mm): no backward
 _FAST_NAME = re.compile(r"[a-z0-9_]+")
@@ -307,7 +311,13 @@ def plan_rank_args(settings: LaunchSettings, *, device: str, train_dtype: str, w
     comfy_args["supports_fp8_compute"] = False
     comfy_args["deterministic"] = settings.deterministic
     if device == "cuda":  # on CPU, ComfyUI's --cpu is the memory mode
-        comfy_args.update({m: m == settings.vram_mode for m in VRAM_MODES if m})
+        replayed = "" if settings.vram_mode in WHOLE_MODEL_VRAM_MODES else settings.vram_mode
+        comfy_args.update({m: m == replayed for m in VRAM_MODES if m})
+        if replayed != settings.vram_mode:
+            flag = "--" + settings.vram_mode.replace("_", "-")
+            notes.append(f"ComfyUI runs with {flag}; the training ranks do not: it would put the whole model on "
+                         "every rank's GPU, whatever the pipeline stages and blocks_to_swap. Each rank places only "
+                         "its own stage on its GPU.")
         comfy_args.update({flag: name == settings.dynamic_vram for name, flag in DYNAMIC_VRAM.items() if flag})
     comfy_args["reserve_vram"] = settings.reserve_vram_gb
     comfy_args["disable_pinned_memory"] = settings.disable_pinned_memory
