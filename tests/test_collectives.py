@@ -237,3 +237,14 @@ def test_the_scan_catches_a_cpu_flag_on_an_nccl_group():
     assert nccl_problems("training/x.py", "from torch.distributed import all_reduce as ar\nar(t)\n")
     assert nccl_problems("training/x.py", "import deepspeed.comm as c\nc.broadcast(t, 0)\n")
     assert not nccl_problems(HOME, engine_bug.replace("0.0])", "0.0], device=device)"))
+
+
+def test_squared_norms_stay_on_the_gradients_device_when_a_parameter_has_none():
+    """On a GPU every LoRA gradient is a device tensor; a parameter without a gradient must count as a zero
+    made on that device, or stacking them fails. The meta device stands in for the GPU here."""
+    from pipetrainer.training.optim.clipping import squared_norms
+
+    with_grad, without = (torch.nn.Parameter(torch.ones(3, device="meta")) for _ in range(2))
+    with_grad.grad = torch.ones(3, device="meta")
+    norms = squared_norms([with_grad, without])
+    assert norms.shape == (2,) and norms.device.type == "meta"

@@ -18,9 +18,11 @@ from ..loop.collectives import all_gather_objects
 
 
 def squared_norms(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """Per-parameter squared L2 norms of the gradients (0 for a parameter without one), in fp32."""
-    return torch.stack([p.grad.detach().float().pow(2).sum() if p.grad is not None else torch.zeros(())
-                        for p in params]) if params else torch.zeros(0)
+    """Per-parameter squared L2 norms of the gradients (0 for a parameter without one), in fp32, on the
+    parameters' device: a parameter without a gradient counts as a zero made there, not on the CPU, so
+    the stack never mixes devices on a GPU."""
+    return torch.stack([p.grad.detach().float().pow(2).sum() if p.grad is not None
+                        else torch.zeros((), device=p.device) for p in params]) if params else torch.zeros(0)
 
 
 def global_grad_norm(params: Sequence[torch.nn.Parameter], group=None) -> torch.Tensor:
