@@ -421,6 +421,45 @@ def test_gpus_on_cpu_and_the_run_log_table(comfy_root):
     assert gpu_table((1, 0), _gpus((70.0, 9.5), (40.0, 39.5))).startswith("GPUs: rank 0 -> GPU 1 (NVIDIA H100: 40.0 GiB free")
 
 
+
+class _TwoGpusWithoutNvml:
+    """What torch.cuda answers on a 2-GPU machine without pynvml, ComfyUI computing on GPU 1; it records which
+    GPUs were asked through CUDA (each such question opens a CUDA context on that GPU)."""
+
+    def __init__(self, initialized: bool):
+        self.initialized, self.asked = initialized, []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def current_device(self):
+        return 1
+
+    def device_count(self):
+        return 2
+
+    def get_device_properties(self, i):
+        return type("Props", (), {"name": "NVIDIA L4", "total_memory": 24 * 2**30})()
+
+    def device_memory_used(self, i):
+        raise ModuleNotFoundError("pynvml does not seem to be installed")
+
+    def mem_get_info(self, i):
+        self.asked.append(i)
+        return 20 * 2**30, 24 * 2**30
+
+
+def test_without_nvml_only_comfyuis_own_gpu_is_asked_for_its_memory():
+    from pipetrainer.nodes.checks.gpus import visible_gpus
+
+    cuda = _TwoGpusWithoutNvml(initialized=True)
+    other, own = visible_gpus(cuda)
+    assert cuda.asked == [1]  # no new CUDA context on GPU 0 inside ComfyUI
+    assert (own.free_bytes, own.memory_read) == (20 * 2**30, True)
+    assert not other.memory_read and "free memory not read: install pynvml" in other.describe()
+    cold = _TwoGpusWithoutNvml(initialized=False)
+    assert [g.memory_read for g in visible_gpus(cold)] == [False, False] and cold.asked == []
+
 # ---- the rank environment and the cluster bundle -------------------------------------------------------
 def test_ranks_get_the_run_gpus_in_rank_order(tmp_path, monkeypatch):
     from pipetrainer.training.process.supervisor import _rank_env

@@ -24,12 +24,16 @@ class GpuInfo:
     name: str
     free_bytes: int
     total_bytes: int
+    memory_read: bool = True  # False: free memory unknown (no NVML, and no CUDA context here to ask)
 
     @property
     def used_bytes(self) -> int:
         return max(0, self.total_bytes - self.free_bytes)
 
     def describe(self) -> str:
+        if not self.memory_read:
+            return (f"GPU {self.index} ({self.name}: {self.total_bytes / GIB:.1f} GiB; free memory not read: "
+                    "install pynvml to see it)")
         return (f"GPU {self.index} ({self.name}: {self.free_bytes / GIB:.1f} GiB free, "
                 f"{self.used_bytes / GIB:.1f} GiB used of {self.total_bytes / GIB:.1f} GiB)")
 
@@ -91,22 +95,29 @@ def gpu_table(gpus: Sequence[int], visible: Sequence[GpuInfo]) -> str:
                                 for r, g in enumerate(gpus))
 
 
-def visible_gpus() -> list[GpuInfo]:
-    """The CUDA GPUs this (ComfyUI) process may use, with free / total memory.
+def visible_gpus(cuda=None) -> list[GpuInfo]:
+    """The CUDA GPUs this (ComfyUI) process may use, with free / total memory (``cuda``: ``torch.cuda``).
 
-    Used memory comes from NVML (what nvidia-smi shows) where torch can reach it: asking CUDA
-    (``mem_get_info``) would open a context on every listed GPU in the ComfyUI process, memory the
-    ranks then lack for the whole run. Without NVML, CUDA is asked.
+    Used memory comes from NVML (what nvidia-smi shows) where torch can reach it. Asking CUDA instead
+    (``mem_get_info``) opens a context on the GPU asked, memory the ranks then lack for the whole run: so
+    without NVML only a GPU this process already computes on is asked (ComfyUI's own device, whose
+    context exists), and the others are listed with their size and "free memory not read".
     """
-    import torch
+    if cuda is None:
+        import torch
 
+        cuda = torch.cuda
+    own = cuda.current_device() if cuda.is_initialized() else None
     out = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
+    for i in range(cuda.device_count()):
+        props = cuda.get_device_properties(i)
+        total = int(props.total_memory)
         try:
-            total = int(props.total_memory)
-            free = total - int(torch.cuda.device_memory_used(i))
-        except Exception:  # no pynvml / amdsmi, or an old torch: CUDA's own figures
-            free, total = (int(v) for v in torch.cuda.mem_get_info(i))
-        out.append(GpuInfo(i, props.name, free, total))
+            out.append(GpuInfo(i, props.name, total - int(cuda.device_memory_used(i)), total))
+        except Exception:  # no pynvml / amdsmi, or an old torch
+            if i == own:
+                free, total = (int(v) for v in cuda.mem_get_info(i))
+                out.append(GpuInfo(i, props.name, free, total))
+            else:
+                out.append(GpuInfo(i, props.name, total, total, memory_read=False))
     return out
