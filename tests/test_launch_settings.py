@@ -460,6 +460,7 @@ def test_without_nvml_only_comfyuis_own_gpu_is_asked_for_its_memory():
     cold = _TwoGpusWithoutNvml(initialized=False)
     assert [g.memory_read for g in visible_gpus(cold)] == [False, False] and cold.asked == []
 
+
 # ---- the rank environment and the cluster bundle -------------------------------------------------------
 def test_ranks_get_the_run_gpus_in_rank_order(tmp_path, monkeypatch):
     from pipetrainer.training.process.supervisor import _rank_env
@@ -474,6 +475,20 @@ def test_ranks_get_the_run_gpus_in_rank_order(tmp_path, monkeypatch):
     assert cpu["CUDA_VISIBLE_DEVICES"] == ""
     legacy = _rank_env(dataclasses.replace(spec, launch=LaunchSettings()), 0, tmp_path / "rdv")
     assert legacy["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # no GPUs chosen: the inherited ones, as before
+
+
+def test_cuda_ranks_keep_comfyuis_allocator_setting(tmp_path, monkeypatch):
+    """ComfyUI's cuda_malloc.py puts ``backend:cudaMallocAsync`` into PYTORCH_CUDA_ALLOC_CONF before torch
+    loads; the ranks allocate with the same backend (their block swap frees and refills device memory
+    every step, which the stream-ordered allocator serves without fragmenting), and a user's own
+    allocator options in that variable reach the ranks unchanged."""
+    from pipetrainer.training.process.supervisor import _rank_env
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8,backend:cudaMallocAsync")
+    launch = LaunchSettings(gpus=(0, 1), cuda_visible_devices="0,1")
+    spec = dataclasses.replace(_base_spec(tmp_path), device="cuda", launch=launch).validated()
+    env = _rank_env(spec, 1, tmp_path / "rdv")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.8,backend:cudaMallocAsync"
 
 
 def test_cluster_bundle_carries_the_launch_settings(tmp_path):

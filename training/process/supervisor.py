@@ -42,7 +42,9 @@ def _rank_env(spec: RunSpec, rank: int, rendezvous: Path) -> dict[str, str]:
     order, so rank r's device is r, as with DeepSpeed's own launcher (``--include``): its engine and
     PipelineModule place the rank by LOCAL_RANK, and all ranks seeing the same GPUs keeps NCCL's
     peer-to-peer paths. Setting them from the spec, not inheriting them, lets a run dir started
-    from a shell use the GPUs the Train node chose."""
+    from a shell use the GPUs the Train node chose. Everything else is ComfyUI's environment, among it
+    PYTORCH_CUDA_ALLOC_CONF as ComfyUI's cuda_malloc.py set it (``backend:cudaMallocAsync`` unless ComfyUI
+    was started with ``--disable-cuda-malloc``): the ranks allocate like ComfyUI does."""
     env = dict(os.environ)
     env.update({
         "RANK": str(rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(rank),
