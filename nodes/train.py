@@ -304,7 +304,7 @@ class PipeTrainerTrain(io.ComfyNode):
         handle = run_process.launch(spec, WARM_POOL)
         try:
             code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
-                                      on_idle=runner.render_pending)
+                                      on_idle=runner.render_pending, on_stop=lambda text: show_text(text, node_id))
         except comfy.model_management.InterruptProcessingException:
             show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
             raise

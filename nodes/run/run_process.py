@@ -23,7 +23,9 @@ from .warm_pool import WarmKey, WarmPool, hand_over
 
 ENTRY = Path(__file__).resolve().parents[2] / "training" / "process" / "entry.py"
 EXIT_OK, EXIT_STOPPED = 0, 3
-STOP_GRACE_S = 120.0
+STOP_GRACE_S = 120.0  # the least the ranks get to reach the end of their step, checkpoint and save
+STOP_STEP_MARGIN = 3.0  # times the slowest recent step: the step under way, a checkpoint, a slower rank
+RECENT_STEPS = 5
 POLL_S = 0.25
 
 
@@ -70,7 +72,7 @@ def launch(spec: RunSpec, pool: WarmPool | None = None) -> RunHandle:
 
 
 def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Callable[[], bool],
-           on_idle: Callable[[], None] | None = None) -> int:
+           on_idle: Callable[[], None] | None = None, on_stop: Callable[[str], None] | None = None) -> int:
     """Forward events until the supervisor exits; on interrupt, stop the run and return its code.
 
     ``on_idle`` runs between polls while the run goes on (the Train node renders previews there: the
@@ -79,7 +81,8 @@ def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Cal
     Exceptions raised by ``on_event`` or ``on_idle`` (ComfyUI's progress hook raises on Cancel) also stop
     the run.
     After a stop, the events written while stopping (the checkpoint's ``saved``, ``stopped``) are in
-    ``handle.events`` without being forwarded, so the caller can say where the run stopped.
+    ``handle.events`` without being forwarded, so the caller can say where the run stopped. ``on_stop``
+    gets the text to show while a stop waits for the ranks (:func:`stopping_text`).
     """
     try:
         while True:
@@ -91,14 +94,14 @@ def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Cal
                     _deliver(handle, event, on_event)
                 return code
             if interrupted():
-                code = stop(handle)
+                code = stop(handle, on_stop=on_stop)
                 handle.events.extend(handle.reader.poll())
                 return code
             if on_idle is not None:
                 on_idle()
             time.sleep(POLL_S)
     except BaseException:
-        stop(handle)
+        stop(handle, on_stop=on_stop)
         handle.events.extend(handle.reader.poll())
         raise
 
@@ -119,10 +122,35 @@ def _note_gpus(spec: RunSpec) -> None:
     EventWriter(spec.run_dir, source="node").emit("note", message=gpu_table(spec.launch.gpus, visible_gpus()))
 
 
-def stop(handle: RunHandle, grace_s: float = STOP_GRACE_S) -> int:
-    """Ask the ranks to stop and save; end the process group if they do not within ``grace_s``."""
+def recent_step_seconds(events: list[dict]) -> float | None:
+    """The slowest of the run's last few step times (None before the first step)."""
+    times = [float(e["step_time"]) for e in events if e.get("type") == "step" and "step_time" in e]
+    return max(times[-RECENT_STEPS:]) if times else None
+
+
+def stop_grace_seconds(events: list[dict]) -> float:
+    """How long a stop waits for the checkpoint: ranks look at STOP only between whole steps, so a run of
+    long steps (video) gets a few of its own steps, never less than :data:`STOP_GRACE_S`."""
+    step = recent_step_seconds(events)
+    return max(STOP_GRACE_S, STOP_STEP_MARGIN * step) if step is not None else STOP_GRACE_S
+
+
+def stopping_text(events: list[dict]) -> str:
+    """What the Train node shows while a stop waits for the ranks."""
+    step = recent_step_seconds(events)
+    about = f" (about {max(1, round(step))} s)" if step is not None else ""
+    return f"Stopping after the current step{about}, then saving a checkpoint..."
+
+
+def stop(handle: RunHandle, grace_s: float | None = None, on_stop: Callable[[str], None] | None = None) -> int:
+    """Ask the ranks to stop and save; end the process group if they do not within ``grace_s`` (by
+    default scaled to the run's recent step times, :func:`stop_grace_seconds`)."""
+    if grace_s is None:
+        grace_s = stop_grace_seconds(handle.events)
     if handle.proc.poll() is None:
         stop_path(handle.run_dir).touch()
+        if on_stop is not None:
+            on_stop(stopping_text(handle.events))
         try:
             handle.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
