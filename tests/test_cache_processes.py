@@ -24,11 +24,11 @@ import importlib.util, json, sys
 pack, comfy_root, vae_path, clip_path, data, cache = sys.argv[1:7]
 spec = importlib.util.spec_from_file_location("_entry", pack + "/training/process/entry.py")
 entry = importlib.util.module_from_spec(spec); spec.loader.exec_module(entry); entry.import_pack()
-from pipetrainer.training.comfy_env import use_comfyui
+from pipetrainer.training.model.comfy_env import use_comfyui
 use_comfyui(comfy_root, "cpu")
 import comfy.sd, comfy.utils
 from pipetrainer.training.cache.store import build_cache
-from pipetrainer.training.dataset import scan_dataset
+from pipetrainer.training.data.dataset import scan_dataset
 vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_path))
 clip = comfy.sd.load_clip([clip_path], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION)
 r = build_cache(scan_dataset(data, 64), vae, clip, cache)

@@ -219,7 +219,7 @@ def test_no_collective_in_training_sends_a_tensor_nccl_cannot_carry():
         problems += nccl_problems(rel, file.read_text(encoding="utf-8"))
     assert not problems, "\n".join(problems)
     # Object collectives serialise through torch.cuda.current_device() on NCCL: the rank must set it.
-    rank_calls = {ast.unparse(n.func) for n in ast.walk(ast.parse((PACK_DIR / "training" / "rank.py").read_text()))
+    rank_calls = {ast.unparse(n.func) for n in ast.walk(ast.parse((PACK_DIR / "training" / "process" / "rank.py").read_text()))
                   if isinstance(n, ast.Call)}
     assert "torch.cuda.set_device" in rank_calls
 

@@ -174,7 +174,7 @@ import importlib.util
 spec = importlib.util.spec_from_file_location("_entry", {entry!r})
 entry = importlib.util.module_from_spec(spec); spec.loader.exec_module(entry); entry.import_pack()
 import torch
-from pipetrainer.training.lora_file import atomic_save
+from pipetrainer.training.adapters.lora_file import atomic_save
 version = {start}
 while True:
     tensors = {{"w": torch.full(({elements},), float(version))}}
@@ -244,8 +244,8 @@ sys.path.insert(0, {pack_parent!r})
 import importlib.util
 spec = importlib.util.spec_from_file_location("_entry", {entry!r})
 entry = importlib.util.module_from_spec(spec); spec.loader.exec_module(entry); entry.import_pack()
-from pipetrainer.nodes import run_process
-from pipetrainer.training.spec import RunSpec
+from pipetrainer.nodes.run import run_process
+from pipetrainer.training.spec.run_spec import RunSpec
 spec = dataclasses.replace(RunSpec.load({spec_path!r}), parent_pid=os.getpid())
 handle = run_process.launch(spec)
 print(handle.proc.pid, flush=True)

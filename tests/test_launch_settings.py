@@ -263,8 +263,8 @@ def _run_python(code: str, comfy_root: Path, extra_path: Path | None = None) -> 
 
 
 SWITCH_PROBE = '''
-    from pipetrainer.training.comfy_env import attention_in_use, comfy_args_report, use_comfyui
-    from pipetrainer.training.launch_settings import LaunchSettings, plan_rank_args
+    from pipetrainer.training.model.comfy_env import attention_in_use, comfy_args_report, use_comfyui
+    from pipetrainer.training.model.launch_settings import LaunchSettings, plan_rank_args
     plan = plan_rank_args(LaunchSettings(**json.loads({settings!r})), device="cpu", train_dtype="fp32")
     use_comfyui(ROOT, "cpu", plan.comfy_args)
     import comfy.model_management as mm
@@ -283,10 +283,10 @@ def test_comfyuis_own_switches_take_effect_in_a_fresh_process(comfy_root):
 
 PRECISION_PROBE = '''
     import torch
-    from pipetrainer.training.comfy_env import use_comfyui
-    from pipetrainer.training.launch_settings import LaunchSettings, plan_rank_args
-    from pipetrainer.training.model_source import load_model
-    from pipetrainer.training.spec import ModelRecipe
+    from pipetrainer.training.model.comfy_env import use_comfyui
+    from pipetrainer.training.model.launch_settings import LaunchSettings, plan_rank_args
+    from pipetrainer.training.model.model_source import load_model
+    from pipetrainer.training.spec.options import ModelRecipe
     plan = plan_rank_args(LaunchSettings(unet_precision="bf16"), device="cpu", train_dtype="fp32")
     use_comfyui(ROOT, "cpu", plan.comfy_args)
     import comfy.sd
@@ -313,7 +313,7 @@ def test_settings_after_comfyui_loaded_are_refused(comfy_root):
 
 FLASH_BACKWARD_PROBE = '''
     import torch
-    from pipetrainer.training.comfy_env import use_comfyui
+    from pipetrainer.training.model.comfy_env import use_comfyui
     use_comfyui(ROOT, "cpu", {"use_flash_attention": True})  # ComfyUI's own switch, as the flag sets it
     import comfy.ldm.modules.attention as attention
     torch.manual_seed(0)
