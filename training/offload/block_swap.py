@@ -8,7 +8,11 @@ and DeepSpeed hold them, and they are small.
 
 Host copies: each block's frozen tensors are packed into one flat host buffer, of exactly their size,
 as views (host_buffer.py), and that buffer is pinned in place when the compute device is CUDA;
-``Tensor.pin_memory()`` per tensor would round every allocation up to a power of two.
+``Tensor.pin_memory()`` per tensor would round every allocation up to a power of two. A tensor subclass
+(ComfyUI-GGUF's ``GGMLTensor``, ComfyUI's ``QuantizedTensor``) is never pinned, moved or detached through
+its own ops, which may drop its quantization state: its bytes (the plain tensors under it) go into the
+same buffer, and a tensor of its exact type and state is rebuilt around those views and around each
+device copy of them (subclass.py). One the swapper cannot rebuild is refused at ``attach``.
 
 How: a forward pre-hook loads the block (on a side CUDA stream; the compute stream waits on an event,
 and every loaded tensor is ``record_stream``-ed on the compute stream so the caching allocator does not
@@ -43,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .host_buffer import HostBuffer, is_packable
+from .subclass import Rebuild, as_parameter, is_plain, split, unsupported_message
 
 Transfer = Callable[[torch.Tensor, torch.device], torch.Tensor]
 """Copies a host tensor to the compute device (injectable: tests use a copy that is distinguishable on CPU)."""
@@ -113,6 +118,7 @@ class BlockSwapper:
         self._by_module = {id(b.module): b for b in self._blocks}
         self._handles: list[RemovableHandle] = []
         self.host_buffers: list[HostBuffer] = []  # one per block (flat, views installed in the modules)
+        self._rebuilds: dict[int, tuple[list[torch.Tensor], Rebuild]] = {}  # id(subclass host) -> its pieces
         self._last_position: int | None = None
         self.peak_resident = 0
         self.loads = 0
@@ -126,7 +132,7 @@ class BlockSwapper:
             self._pack_block(block.slots, hosts)
             for slot in block.slots:
                 if id(slot.host) not in hosts:
-                    hosts[id(slot.host)] = self._to_host(slot.host, slot.is_parameter)
+                    hosts[id(slot.host)] = self._to_host(slot, block)
                 slot.host = hosts[id(slot.host)]
                 _install(slot, slot.host)
             self._handles.append(block.module.register_forward_pre_hook(self._before_forward))
@@ -138,40 +144,87 @@ class BlockSwapper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        back: dict[int, torch.Tensor] = {}  # shared tensors stay shared
         for block in self._blocks:
             self._offload(block)
             for slot in block.slots:
-                _install(slot, _plain(slot.host, slot.is_parameter).to(self.compute_device))
+                if id(slot.host) not in back:
+                    parts = self._rebuilds.get(id(slot.host))
+                    if parts is not None:
+                        back[id(slot.host)] = self._rebuilt(parts, [p.to(self.compute_device) for p in parts[0]], slot)
+                    else:
+                        copy = _plain(slot.host, slot.is_parameter).to(self.compute_device)
+                        back[id(slot.host)] = as_parameter(copy) if slot.is_parameter else copy
+                _install(slot, back[id(slot.host)])
         self._sync()
         for packed in self.host_buffers:
             packed.release()
 
     def _pack_block(self, slots: list[_Slot], hosts: dict[int, torch.Tensor]) -> None:
-        """Copy the block's plain frozen tensors into one flat host buffer; record each view in ``hosts``
-        (by the id of the tensor it replaces). Only for host offloading: other devices use ``_to_host``."""
+        """Copy the block's frozen tensors into one flat host buffer (a subclass: the plain tensors under it);
+        record each host tensor in ``hosts`` (by the id of the tensor it replaces): a view, or the subclass
+        rebuilt around its views. Only for host offloading: other devices use ``_to_host``."""
         if self.offload_device.type != "cpu":
             return
-        todo: dict[int, _Slot] = {}
+        todo: dict[int, tuple[_Slot, tuple[list[torch.Tensor], Rebuild] | None]] = {}
         for slot in slots:
-            if id(slot.host) not in hosts and id(slot.host) not in todo and is_packable(slot.host):
-                todo[id(slot.host)] = slot
+            if id(slot.host) in hosts or id(slot.host) in todo:
+                continue
+            if is_packable(slot.host):
+                todo[id(slot.host)] = (slot, None)
+            elif not is_plain(slot.host) and (parts := split(slot.host)) is not None:
+                todo[id(slot.host)] = (slot, parts)
         if not todo:
             return
-        packed = HostBuffer([slot.host for slot in todo.values()], pin=self.pin_memory)
+        tensors = [t for slot, parts in todo.values() for t in ([slot.host] if parts is None else parts[0])]
+        packed = HostBuffer(tensors, pin=self.pin_memory)
         self.host_buffers.append(packed)
-        for key, slot, view in zip(todo, todo.values(), packed.views, strict=True):
-            hosts[key] = nn.Parameter(view, requires_grad=False) if slot.is_parameter else view
+        views = iter(packed.views)
+        for key, (slot, parts) in todo.items():
+            if parts is None:
+                view = next(views)
+                hosts[key] = nn.Parameter(view, requires_grad=False) if slot.is_parameter else view
+            else:
+                hosts[key] = self._rebuilt(parts, [next(views) for _ in parts[0]], slot, record=True)
 
     def host_bytes(self) -> tuple[int, int]:
         """``(pinned bytes, weight bytes)`` of the host copies in flat buffers: pinned is 0 off CUDA."""
         pinned = sum(b.nbytes for b in self.host_buffers if b.pinned)
         return pinned, sum(b.weight_bytes for b in self.host_buffers)
 
-    def _to_host(self, tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
-        host = tensor.detach().to(self.offload_device)
+    def _to_host(self, slot: _Slot, block: _Block) -> torch.Tensor:
+        """A host copy of its own (not in a flat buffer); a subclass is rebuilt around host copies of its pieces."""
+        if not is_plain(slot.host):
+            parts = split(slot.host)
+            if parts is None:
+                owner = next((n for n, m in block.module.named_modules() if m is slot.owner), "")
+                path = ".".join(p for p in (self._block_name(block), owner, slot.name) if p)
+                raise ValueError(unsupported_message(path, slot.owner, slot.host))
+            return self._rebuilt(parts, [self._host_copy(p) for p in parts[0]], slot, record=True)
+        host = self._host_copy(slot.host.detach())
+        return nn.Parameter(host, requires_grad=False) if slot.is_parameter else host
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = tensor.to(self.offload_device)
         if self.pin_memory and not host.is_pinned():
             host = host.pin_memory()
-        return nn.Parameter(host, requires_grad=False) if is_parameter else host
+        return host
+
+    def _rebuilt(self, parts: tuple[list[torch.Tensor], Rebuild], pieces: list[torch.Tensor], slot: _Slot,
+                 record: bool = False) -> torch.Tensor:
+        """The subclass rebuilt around ``pieces`` (a Parameter for a parameter slot); ``record``: a host copy,
+        whose pieces the loads copy from."""
+        tensor = parts[1](pieces)
+        tensor = as_parameter(tensor) if slot.is_parameter else tensor
+        if record:
+            self._rebuilds[id(tensor)] = (pieces, parts[1])
+        return tensor
+
+    @staticmethod
+    def _block_name(block: _Block) -> str:
+        from ..model.partition import layer_name
+
+        return layer_name(block.module)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def resident(self) -> tuple[int, ...]:
@@ -180,9 +233,7 @@ class BlockSwapper:
 
     def block_names(self) -> list[str]:
         """The swapped blocks as ComfyUI module paths (or class names), for the run's setup event."""
-        from ..model.partition import layer_name
-
-        return [layer_name(b.module) for b in self._blocks]
+        return [self._block_name(b) for b in self._blocks]
 
     def running(self) -> tuple[int, ...]:
         return tuple(b.position for b in self._blocks if b.running)
@@ -221,20 +272,28 @@ class BlockSwapper:
         if block.resident:
             return
         copies: dict[int, torch.Tensor] = {}
+        block.loaded = []  # the plain device tensors (a subclass's pieces), for record_stream
         stream = self._side_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for slot in block.slots:
-                if id(slot.host) not in copies:
+                if id(slot.host) in copies:
+                    continue
+                parts = self._rebuilds.get(id(slot.host))
+                if parts is None:
                     copies[id(slot.host)] = self._copy(_plain(slot.host, slot.is_parameter))
+                    block.loaded.append(copies[id(slot.host)])
+                else:
+                    pieces = [self._copy(p) for p in parts[0]]
+                    block.loaded += pieces
+                    copies[id(slot.host)] = self._rebuilt(parts, pieces, slot)
             if stream is not None:
                 block.ready = torch.cuda.Event()
                 block.ready.record(stream)
-        block.loaded = list(copies.values())
         installed: dict[int, torch.Tensor] = {}
         for slot in block.slots:
             if id(slot.host) not in installed:
                 copy = copies[id(slot.host)]
-                installed[id(slot.host)] = nn.Parameter(copy, requires_grad=False) if slot.is_parameter else copy
+                installed[id(slot.host)] = as_parameter(copy) if slot.is_parameter else copy
             _install(slot, installed[id(slot.host)])
         block.resident = True
         self.loads += 1

@@ -23,8 +23,9 @@ ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's element size 
 
 
 def is_packable(tensor: torch.Tensor) -> bool:
-    """Plain dense tensors only: a tensor subclass (e.g. ComfyUI-GGUF's quantized weights) carries
-    attributes a typed view of a byte buffer would lose, so it keeps a host copy of its own."""
+    """Plain dense tensors only: a tensor subclass (e.g. ComfyUI-GGUF's quantized weights) carries state a
+    typed view of a byte buffer would lose; the swapper packs the plain tensors under it instead and rebuilds
+    the subclass around their views (subclass.py)."""
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
 
 
