@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from pipetrainer.tests.family_rows import Row, all_rows
-from pipetrainer.tests.family_rows.common import collect_warnings
+from pipetrainer.tests.family_rows.common import cache_items, collect_warnings
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for, known_families
 from pipetrainer.training.spec.choices import TARGET_PRESETS
-from pipetrainer.training.spec.options import CacheItem, LoraSpec
+from pipetrainer.training.spec.options import LoraSpec
 
 ROWS = all_rows()
 BY_NAME = {row.name: row for row in ROWS}
@@ -258,30 +258,6 @@ def test_preflight_reads_the_family_rules_without_building_stage_layers(row, com
 # ---- slow tier: the real process tree ----------------------------------------------------------
 
 
-def _cache_items(row: Row, model, folder: Path, count: int = 2) -> list[CacheItem]:
-    """Plain-file cache items (no index) with seeded latents, conds and extras of the row's shapes."""
-    from safetensors.torch import save_file
-
-    adapter = adapter_for(row.family)
-    context, pooled_dim = adapter.conditioning_dims(model.diffusion_model)
-    sources = {name: spec.source for name, spec in adapter.extras(model.diffusion_model).items()}
-    g = torch.Generator().manual_seed(7)
-    folder.mkdir(parents=True, exist_ok=True)
-    items = []
-    for i in range(count):
-        latent, text = folder / f"{i}.latent.safetensors", folder / f"{i}.text.safetensors"
-        x0 = torch.randn(*row.latent, generator=g)
-        entries = {"latent": {"latent": x0}, "text": {"cond": torch.randn(row.tokens + i, context, generator=g)}}
-        if pooled_dim:
-            entries["text"]["pooled"] = torch.randn(pooled_dim, generator=g)
-        for name, value in row.extras(model, model.process_latent_in(x0[None]), g).items():
-            entries[sources[name]][name] = value[0].contiguous()
-        save_file(entries["latent"], str(latent))
-        save_file(entries["text"], str(text))
-        items.append(CacheItem(str(latent), str(text), f"item{i}.png", f"caption {i}"))
-    return items
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [row.name for row in ROWS if row.model_path is not None])
 def test_two_steps_in_one_and_two_stages_are_bitwise_equal(name, comfy_root, fixture_paths, tmp_path):
@@ -289,7 +265,7 @@ def test_two_steps_in_one_and_two_stages_are_bitwise_equal(name, comfy_root, fix
 
     row = BY_NAME[name]
     path = row.model_path(comfy_root, fixture_paths)
-    items = _cache_items(row, _load(row, comfy_root, fixture_paths).model, tmp_path / "cache")
+    items = cache_items(row, _load(row, comfy_root, fixture_paths).model, tmp_path / "cache")
     runs = []
     for stages in (1, 2):
         # Uniform: the tiny models' embedders hold most parameters (Wan's 4096-wide text embedding), so a

@@ -67,3 +67,29 @@ def from_config(config_class, unet_config: dict, seed: int):
     model.diffusion_model.float()
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def cache_items(row, model, folder: Path, count: int = 2) -> list:
+    """Plain-file cache items (no index) with seeded latents, conds and extras of the row's shapes."""
+    from pipetrainer.training.pipelines.base import adapter_for
+    from pipetrainer.training.spec.options import CacheItem
+    from safetensors.torch import save_file
+
+    adapter = adapter_for(row.family)
+    context, pooled_dim = adapter.conditioning_dims(model.diffusion_model)
+    sources = {name: spec.source for name, spec in adapter.extras(model.diffusion_model).items()}
+    g = torch.Generator().manual_seed(7)
+    folder.mkdir(parents=True, exist_ok=True)
+    items = []
+    for i in range(count):
+        latent, text = folder / f"{i}.latent.safetensors", folder / f"{i}.text.safetensors"
+        x0 = torch.randn(*row.latent, generator=g)
+        entries = {"latent": {"latent": x0}, "text": {"cond": torch.randn(row.tokens + i, context, generator=g)}}
+        if pooled_dim:
+            entries["text"]["pooled"] = torch.randn(pooled_dim, generator=g)
+        for name, value in row.extras(model, model.process_latent_in(x0[None]), g).items():
+            entries[sources[name]][name] = value[0].contiguous()
+        save_file(entries["latent"], str(latent))
+        save_file(entries["text"], str(text))
+        items.append(CacheItem(str(latent), str(text), f"item{i}.png", f"caption {i}"))
+    return items

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 
 from ...patches.deepspeed_pipe_backward import use_single_backward
 from ...patches.deepspeed_stage_engine import build_stage_engine
+from ...patches.deepspeed_stage_module import build_stage_module
 from ..adapters.init_lora import check_init_lora, read_init_file
 from ..adapters.inject import freeze_all_but_lora, inject_lora
 from ..adapters.kinds import adapter_kind
@@ -26,7 +27,7 @@ from ..data.regularization import MixedMicroBatches, regularization_seed
 from ..data.validation import ValidationBatches, evaluation_due
 from ..model.model_source import finish_loading
 from ..model.partition import describe, log_lines, require_lora_on_every_stage, write_plan
-from ..model.stage_weights import DeferredWeights, foreign_module_paths, resident_bytes
+from ..model.stage_weights import DeferredWeights, foreign_module_paths, resident_bytes, unshared_tensors
 from ..objective.loss import mse_loss
 from ..objective.timesteps import family_timesteps
 from ..offload.block_swap import BlockSwapper
@@ -116,8 +117,6 @@ class Trainer:
     def setup(self, patcher, deferred: DeferredWeights | None = None) -> None:
         """Build this rank's stage. With ``deferred`` (the rank's normal path) only this stage's frozen
         weights are loaded (training/model/stage_weights.py); without it the patcher holds every weight."""
-        from deepspeed.pipe import PipelineModule
-
         spec, ctx = self.spec, self.ctx
         if spec.resume_from:  # before any work: a checkpoint of other settings must not be continued
             problem = resume_problem(spec)
@@ -142,8 +141,10 @@ class Trainer:
             layer.register_forward_hook(_contiguous_outputs)
         layers = [_inputs_need_grad, *stage_layers]
         checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-        self.module = PipelineModule(
-            layers=layers,
+        # DeepSpeed's PipelineModule, left on the host: the stage is placed below, after loading, with the
+        # swapped blocks kept off the device (patches/deepspeed_stage_module.py).
+        self.module = build_stage_module(
+            layers,
             num_stages=spec.train.pipeline_stages,
             loss_fn=mse_loss,
             partition_method="parameters" if spec.train.partition_method == "parameters" else "uniform",
@@ -167,6 +168,11 @@ class Trainer:
         self.foreign_paths = foreign_module_paths(layers, {i for i, _ in local})
         if deferred is not None:
             finish_loading(patcher, deferred, self.foreign_paths)
+        unshared = unshared_tensors(local, dm)
+        if unshared:  # a family's layer holds a tensor loading does not fill: it would train on garbage
+            raise RuntimeError(f"{len(unshared)} tensor(s) of the {self.family} stage layers are not the model's "
+                               f"own, which loading fills: {', '.join(unshared[:5])}. The family adapter must adopt "
+                               "them (StageLayer.adopt, adopt_tensor), not copy them.")
         wait_for_all_ranks(ctx.load_group)  # the next collectives have the (shorter) training timeout
         # Swapped blocks keep their frozen weights in host memory from the start: only the rest of the
         # stage (and, after injection, every LoRA) goes to the device, so the stage never sits whole there.

@@ -121,3 +121,21 @@ def foreign_module_paths(layers: Sequence[object], local_indices: Iterable[int])
     other = {p for i, layer in enumerate(layers) if i not in local_indices
              for p in getattr(layer, "comfy_paths", {}).values()}
     return sorted(p for p in other if not any(_under(p, (q,)) or _under(q, (p,)) for q in local))
+
+
+def unshared_tensors(layers: Iterable[tuple[int, nn.Module]], model: nn.Module) -> list[str]:
+    """The parameters and buffers of the stage ``layers`` (``(index, layer)``) that ``model`` does not hold.
+
+    Loading fills the ComfyUI model's own tensors (:meth:`DeferredWeights.load`), so a stage-layer tensor
+    that is not one of them (a copy made when the layer adopted it, or a device copy a move made before
+    loading) keeps what it held before: training would run on it without an error.
+    """
+    held = {id(t) for _, t in (*model.named_parameters(remove_duplicate=False),
+                               *model.named_buffers(remove_duplicate=False))}
+    out = []
+    for index, layer in layers:
+        for module_name, owner in layer.named_modules():
+            for name, t in (*owner._parameters.items(), *owner._buffers.items()):
+                if t is not None and id(t) not in held:
+                    out.append(f"layer {index} ({type(layer).__name__}) {'.'.join(p for p in (module_name, name) if p)}")
+    return out

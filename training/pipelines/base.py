@@ -48,6 +48,7 @@ class StageLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.comfy_paths = {}
+        self._adopted_tensors: dict[str, tuple[nn.Module, str]] = {}
 
     def adopt(self, attr: str, module: nn.Module, comfy_path: str) -> None:
         """Hold ``module`` as ``self.<attr>`` and remember where it lives in the ComfyUI model."""
@@ -58,6 +59,30 @@ class StageLayer(nn.Module):
         """Adopt each ``dm.<name>`` under the same attribute name and module path."""
         for name in names:
             self.adopt(name, getattr(dm, name), name)
+
+    def adopt_tensor(self, attr: str, owner: nn.Module, name: str) -> None:
+        """Hold the parameter or buffer ``owner.<name>`` itself as ``self.<attr>``.
+
+        For a tensor the ComfyUI model holds outside the modules a layer adopts (SD3's ``pos_embed``, a
+        buffer of the model itself). Loading fills ``owner``'s tensor, so the layer must hold that very
+        tensor, never a copy. A move of the layer (``to``, ``cuda``: torch replaces buffers, and on some
+        devices parameters, by new tensors) points ``owner`` at the moved tensor too (:meth:`_apply`),
+        so the two never part: a later load fills the moved tensor, and no stale host copy stays behind.
+        """
+        if name in owner._parameters:
+            self.register_parameter(attr, owner._parameters[name])
+        elif name in owner._buffers:
+            self.register_buffer(attr, owner._buffers[name], persistent=False)
+        else:
+            raise AttributeError(f"{type(owner).__name__} has no parameter or buffer {name!r}")
+        self._adopted_tensors[attr] = (owner, name)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for attr, (owner, name) in self._adopted_tensors.items():
+            slots = owner._parameters if name in owner._parameters else owner._buffers
+            slots[name] = self._parameters[attr] if attr in self._parameters else self._buffers[attr]
+        return out
 
     def comfy_path(self, name: str) -> str | None:
         """The ComfyUI module path of the submodule ``name`` (as in ``named_modules``), or None for a

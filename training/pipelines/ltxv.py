@@ -196,7 +196,7 @@ class LTXVHead(StageLayer):
     def __init__(self, dm: nn.Module):
         super().__init__()
         self.adopt_same(dm, "norm_out", "proj_out")
-        self.scale_shift_table = dm.scale_shift_table  # a parameter of the model itself (frozen, no LoRA)
+        self.adopt_tensor("scale_shift_table", dm, "scale_shift_table")  # the model's own (frozen, no LoRA)
         self.patchifier = dm.patchifier
         self.out_channels = int(dm.out_channels)
         # Current ComfyUI's own output step (it modulates as x * (1 + scale) + shift); 0.3.75 has none.

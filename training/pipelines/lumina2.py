@@ -85,8 +85,8 @@ class LuminaEmbed(StageLayer):
         self.adopt_same(dm, "t_embedder", "cap_embedder", "x_embedder")
         self.pad_multiple = dm.pad_tokens_multiple
         if self.pad_multiple is not None:
-            self.cap_pad_token = dm.cap_pad_token  # the model's own (frozen) Parameters, shared
-            self.x_pad_token = dm.x_pad_token
+            self.adopt_tensor("cap_pad_token", dm, "cap_pad_token")  # the model's own (frozen) Parameters
+            self.adopt_tensor("x_pad_token", dm, "x_pad_token")
         self.patch_size = dm.patch_size
         self.time_scale = dm.time_scale
         self.join = join

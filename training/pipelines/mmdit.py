@@ -34,8 +34,8 @@ class MMDiTEmbed(StageLayer):
         else:
             self.y_embedder = None
         self.adopt("context_embedder", dm.context_embedder, "context_embedder")
-        if dm.pos_embed is not None:
-            self.register_buffer("pos_embed", dm.pos_embed, persistent=False)
+        if dm.pos_embed is not None:  # a buffer of the model itself, which loading fills: the same tensor
+            self.adopt_tensor("pos_embed", dm, "pos_embed")
         else:
             self.pos_embed = None
         # Attributes read by ComfyUI's own MMDiT.cropped_pos_embed, which is reused below.
