@@ -1,9 +1,81 @@
 #!/usr/bin/env bash
-# Fresh machine -> test results: set up (incl. the Flux-min fixture for the slow tier), then pytest.
+# Fresh machine -> test results, on two ComfyUI hosts (what CI runs):
+#   current  ComfyUI v0.33.0 (scripts/current_host.sh: .host/current/ComfyUI and its venv .host/current/venv,
+#            or $COMFYUI_PATH): the whole suite, slow tier included;
+#   0.3.75   ComfyUI 0.3.75, the compatibility host (scripts/setup.sh: .host/ComfyUI and .venv): the fast tier
+#            (-m 'not slow'), the example workflow end to end (tests/test_e2e.py) among it.
+# Where the current host cannot be had (no ../shared, no COMFYUI_PATH, no GitHub) the 0.3.75 host runs alone
+# and the summary says the current-host tier was skipped and why.
+# Arguments go to every pytest run (after the 0.3.75 run's -m 'not slow', so a -m given here wins there).
+# PIPETRAINER_HOSTS="current" or "0.3.75" runs one host only.
 # Two pytest-xdist workers, one test file each at a time (module fixtures are built once): the heavy
 # tests are process trees that keep about one core busy, so two files side by side use a 2-core CI
 # machine fully. PYTEST_WORKERS=0 runs everything in this process, as before.
+# Exits non-zero when a host's set-up or any pytest run fails; a run that selects no test (pytest's exit 5,
+# e.g. -k matching nothing on one host) is reported and fails the script only when no run tested anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIPETRAINER_FLUX=1 bash scripts/setup.sh
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+hosts=" ${PIPETRAINER_HOSTS:-current 0.3.75} "
+workers=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+summary=()
+failed=0
+tested=0
+
+run_pytest() {  # label python comfyui-root pytest-args...
+  local label=$1 python=$2 root=$3 rc=0 start=$SECONDS
+  shift 3
+  echo
+  echo "=== pytest on ComfyUI $label: COMFYUI_PATH=$root, $python ==="
+  COMFYUI_PATH=$root "$python" -m pytest "${workers[@]}" "$@" || rc=$?
+  local took="$((SECONDS - start)) s"
+  case $rc in
+    0) tested=1; summary+=("ComfyUI $label: pytest passed ($took)") ;;
+    5) summary+=("ComfyUI $label: pytest selected no test ($took)") ;;
+    *) tested=1; failed=1; summary+=("ComfyUI $label: pytest FAILED with exit code $rc ($took)") ;;
+  esac
+}
+
+compat_ready=0
+if [[ $hosts == *" 0.3.75 "* ]]; then
+  start=$SECONDS
+  if env -u COMFYUI_PATH PIPETRAINER_FLUX=1 bash scripts/setup.sh; then
+    compat_ready=1
+    summary+=("ComfyUI 0.3.75: set up ($((SECONDS - start)) s)")
+  else
+    failed=1
+    summary+=("ComfyUI 0.3.75: set-up FAILED (see above)")
+  fi
+fi
+
+current_root=
+if [[ $hosts == *" current "* ]]; then
+  start=$SECONDS
+  rc=0
+  out=$(PIPETRAINER_FLUX=1 bash scripts/current_host.sh) || rc=$?
+  case $rc in
+    0) current_root=$out; summary+=("ComfyUI current: set up ($((SECONDS - start)) s)") ;;
+    3) summary+=("ComfyUI current: tier SKIPPED: $out") ;;
+    *) failed=1; summary+=("ComfyUI current: set-up FAILED with exit code $rc (see above)") ;;
+  esac
+fi
+
+if [ -n "$current_root" ]; then
+  version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$current_root/comfyui_version.py")
+  scope=", whole suite"
+  [ $# = 0 ] || scope=""
+  run_pytest "$version (current host$scope)" .host/current/venv/bin/python "$current_root" "$@"
+fi
+if [ "$compat_ready" = 1 ]; then
+  run_pytest "0.3.75 (compatibility host, fast tier)" .venv/bin/python "$PWD/.host/ComfyUI" -m "not slow" "$@"
+fi
+
+echo
+echo "=== summary ==="
+printf '%s\n' "${summary[@]}"
+if [ "$failed" = 1 ]; then
+  exit 1
+fi
+if [ "$tested" = 0 ]; then
+  echo "no pytest run selected any test"
+  exit 5
+fi

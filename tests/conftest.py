@@ -103,6 +103,27 @@ def demo_cache(encoders, fixture_paths, tmp_path_factory):
     return build_cache(dataset, vae, clip, tmp_path_factory.mktemp("cache"))
 
 
+def pytest_report_header(config):
+    """Which ComfyUI host and which Python this run tests (scripts/test.sh runs the suite on two hosts)."""
+    import re
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pipetrainer.devkit.host import comfyui_root
+
+    root = comfyui_root()
+    try:
+        found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", (root / "comfyui_version.py").read_text())
+        comfyui = found.group(1) if found else "unknown version"
+    except OSError:
+        comfyui = "not built yet"
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        transformers = "absent"
+    return f"ComfyUI host: {comfyui} at {root} (python {sys.executable}, transformers {transformers})"
+
+
 def pytest_configure(config):
     os.environ.setdefault("PIPETRAINER_THREADS", "1")
     # Runs start cold unless a test asks for pre-started trees (tests/test_warm.py builds its own pool):
