@@ -18,9 +18,9 @@ from ..training.adapters.problems import adapter_target_problems
 from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
 from ..training.pipelines.options import options_from_inputs, parse_family_options
 from ..training.spec.choices import PARTITION_METHODS, TRAIN_DTYPES, SpecError
-from ..training.spec.options import RegularizationSpec, TimestepSpec, TrainSpec, ValidationSpec
+from ..training.spec.options import BLOCKS_TO_SWAP_AUTO, RegularizationSpec, TimestepSpec, TrainSpec, ValidationSpec
 from ..training.spec.run_spec import RunSpec
-from .checks import graph_patches, preflight
+from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
 from .model_source import no_recipe_message, recipe_of
@@ -99,11 +99,13 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
                              tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
                                      "recompute boundaries, more memory)."),
-                io.Int.Input("blocks_to_swap", default=0, min=0, max=1024, optional=True,
+                io.Int.Input("blocks_to_swap", default=0, min=BLOCKS_TO_SWAP_AUTO, max=1024, optional=True,
                              tooltip="Per pipeline stage: keep the frozen weights of the last N transformer blocks "
                                      "in CPU memory and bring each block to the GPU only while it runs (LoRA "
                                      "stays on the GPU). With gradient checkpointing it saves VRAM; costs speed, same results. 0 = off. "
-                                     "On CPU it is accepted and changes nothing."),
+                                     "-1 = auto: before the run starts, the fewest blocks with which every stage fits "
+                                     "its GPU's free memory (the plan is shown here and in the run log). "
+                                     "On CPU it is accepted and changes nothing (auto: 0)."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
                                tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts."),
                 TimestepConfig.Input("timesteps", optional=True,
@@ -174,8 +176,10 @@ class PipeTrainerTrain(io.ComfyNode):
         return "\n".join(problems) if problems else True
 
     @classmethod
-    def build_spec(cls, model, cache, lora, optimizer, lora_name: str, **settings) -> RunSpec:
-        """The validated run spec; raises with every problem at once."""
+    def build_spec(cls, model, cache, lora, optimizer, lora_name: str, notes: list[str] | None = None,
+                   **settings) -> RunSpec:
+        """The validated run spec; raises with every problem at once. ``blocks_to_swap`` auto (-1) becomes
+        the memory plan's number (nodes/checks/memory.py); the plan's line is appended to ``notes``."""
         problems = paths.lora_name_problems(lora_name)
         recipe = recipe_of(model)
         if recipe is None:
@@ -229,6 +233,12 @@ class PipeTrainerTrain(io.ComfyNode):
                 problems += exc.problems
             else:
                 problems += preflight.regularization_cache_problems(model, settings["regularization"].cache)
+        if not problems:  # the plan reads what preflight accepted: the cache's shapes, the ranks' GPUs
+            swap, note, swap_problems = memory.resolve_auto(model, cache, lora, optimizer, train, device, gpus_text)
+            problems += swap_problems
+            train = dataclasses.replace(train, blocks_to_swap=swap)
+            if note and notes is not None:
+                notes.append(note)
         if problems:
             raise SpecError(problems)
         spec = RunSpec(
@@ -252,8 +262,9 @@ class PipeTrainerTrain(io.ComfyNode):
         previews = settings.pop("previews", None)
         if previews is not None:  # each preview step needs its LoRA file
             settings["save_every"] = preview_save_every(settings["save_every"], previews.every_n_steps)
+        notes: list[str] = []  # the memory plan of blocks_to_swap auto
         try:
-            spec = cls.build_spec(model, cache, lora, optimizer, lora_name, **settings)
+            spec = cls.build_spec(model, cache, lora, optimizer, lora_name, notes=notes, **settings)
         except SpecError as exc:
             show_text(f"not started: {len(exc.problems)} problem(s), see the error", node_id)
             raise
@@ -297,11 +308,13 @@ class PipeTrainerTrain(io.ComfyNode):
                     preview = sheet()
                     last_preview[0] = now
                 bar.update_absolute(event["step"], event["total"], preview)
+            if text and event.get("type") == "phase":  # the memory plan stays in sight until step 0
+                text = "\n".join([*notes, text])
             if text:
                 show_text(f"{text}\n{runner.status}" if runner.status else text, node_id)
 
-        show_text(run_messages.LAUNCHING, node_id)
-        handle = run_process.launch(spec, WARM_POOL)
+        show_text("\n".join([*notes, run_messages.LAUNCHING]), node_id)
+        handle = run_process.launch(spec, WARM_POOL, notes=notes)
         try:
             code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
                                       on_idle=runner.render_pending, on_stop=lambda text: show_text(text, node_id))
@@ -327,6 +340,7 @@ class PipeTrainerTrain(io.ComfyNode):
         done = run_messages.done_text(spec.lora_output, spec.run_dir, view)
         if warning:
             done += f"\nwarning: {warning}"
+        done += "".join(f"\n{note}" for note in notes)
         if runner.status:
             done += f"\n{runner.status}"
         show_text(done, node_id)

@@ -7,7 +7,8 @@ function over plain values that returns problem strings naming the item and the 
 reads the facts from ComfyUI's objects and the cache files and runs them all. The Train node adds these
 to its own problems and raises them together, so a user fixes a graph in one go. Checks whose rules
 differ by model family (patch sizes, frames, text widths, extras, LoRA targets) are pure functions of
-training/pipelines/checks.py, driven by the family adapter; no stage layer is built in this process.
+training/pipelines/checks.py, driven by the family adapter; no stage layer is built here (only the memory
+plan of ``blocks_to_swap`` auto builds them, to count each stage's bytes: nodes/checks/memory.py).
 """
 
 from __future__ import annotations

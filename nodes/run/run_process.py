@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,13 +49,17 @@ def warm_key(spec: RunSpec) -> WarmKey:
     return WarmKey(spec.device, spec.comfyui_path)
 
 
-def launch(spec: RunSpec, pool: WarmPool | None = None) -> RunHandle:
+def launch(spec: RunSpec, pool: WarmPool | None = None, notes: Sequence[str] = ()) -> RunHandle:
     """Write the spec into its run dir and start its supervisor in a new session: the pool's warm one
-    (nodes/run/warm_pool.py) when it fits the run, else a fresh one."""
+    (nodes/run/warm_pool.py) when it fits the run, else a fresh one. ``notes`` (the memory plan of
+    ``blocks_to_swap`` auto) go into the run log first, as ``note`` events."""
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.to_json(), encoding="utf-8")
+    writer = EventWriter(spec.run_dir, source="node")
+    for note in notes:
+        writer.emit("note", message=note)
     if spec.device == "cuda" and spec.launch.gpus:
         _note_gpus(spec)
     warm = pool.take(warm_key(spec)) if pool is not None else None

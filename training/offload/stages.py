@@ -8,6 +8,8 @@ the node layer's preflight uses it without DeepSpeed.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 
@@ -31,6 +33,38 @@ def uniform_boundaries(num_layers: int, stages: int) -> list[int]:
         return [min(s, num_layers) for s in range(stages + 1)]
     size, extra = divmod(num_layers, stages)
     return [s * size + min(s, extra) for s in range(stages + 1)]
+
+
+def balanced_boundaries(weights: Sequence[int], stages: int) -> list[int]:
+    """Stage boundaries of DeepSpeed's ``partition_method="parameters"`` split over per-layer ``weights``.
+
+    The same dynamic programme as ``deepspeed.runtime.utils.partition_balanced`` (the linear partition
+    that minimises the largest minus the smallest stage, ties going to the later cut), in plain Python,
+    so the node layer's memory plan sees the split the ranks will make. ``weights`` are the layers'
+    counts of floating-point parameters (what DeepSpeed counts once the trainer flags them trainable).
+    """
+    n, m = len(weights), stages
+    if n <= m:
+        return uniform_boundaries(n, m)
+    inf = math.inf
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0, *(float(v) for v in itertools.accumulate(int(w) for w in weights))]
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                max_sum, min_sum = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
+                cost = max_sum - min_sum
+                if dp_cost[i][j] >= cost:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = cost, max_sum, min_sum, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
 
 
 def blocks_to_swap_problem(blocks_to_swap: int, per_stage: Sequence[int], exact: bool = True) -> str | None:

@@ -258,6 +258,11 @@ class OptimizerSpec:
         return out
 
 
+BLOCKS_TO_SWAP_AUTO = -1
+"""``TrainSpec.blocks_to_swap`` as the Train node receives it for "auto": the node resolves it into a number
+from the memory plan (training/offload/memory_plan.py) before it writes the spec, so ranks never see it."""
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     steps: int = 100
@@ -273,7 +278,9 @@ class TrainSpec:
     partition_method: str = "parameters"
     data_parallel: int = 1  # replicas of the whole pipeline; ranks = pipeline_stages * data_parallel
     checkpoint_interval: int = 1  # layers per activation-checkpointed chunk (with gradient_checkpointing)
-    blocks_to_swap: int = 0  # per stage: the last N blocks keep frozen weights in host memory (training/offload)
+    # Per stage: the last N blocks keep frozen weights in host memory (training/offload); 0 = off.
+    # BLOCKS_TO_SWAP_AUTO (-1) only until the Train node resolves it: a written spec holds a number.
+    blocks_to_swap: int = 0
 
 
 @dataclass(frozen=True)

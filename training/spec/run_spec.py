@@ -26,6 +26,7 @@ from .choices import (
     SpecError,
 )
 from .options import (
+    BLOCKS_TO_SWAP_AUTO,
     CacheItem,
     LoraSpec,
     ModelRecipe,
@@ -117,8 +118,12 @@ class RunSpec:
             out.append(f"Data-parallel replicas must be at least 1 (got {t.data_parallel}).")
         if t.checkpoint_interval < 1:
             out.append(f"Activation checkpoint interval must be at least 1 layer (got {t.checkpoint_interval}).")
-        if t.blocks_to_swap < 0:
-            out.append(f"blocks_to_swap must be >= 0 (0 turns block swap off; got {t.blocks_to_swap}).")
+        if t.blocks_to_swap == BLOCKS_TO_SWAP_AUTO:
+            out.append("blocks_to_swap is auto (-1), which the Train node turns into a number from its memory plan "
+                       "before the run starts: a spec written another way needs a number (0 turns block swap off).")
+        elif t.blocks_to_swap < 0:
+            out.append(f"blocks_to_swap must be >= 0, or -1 for auto in the Train node (0 turns block swap off; "
+                       f"got {t.blocks_to_swap}).")
         if t.partition_method not in PARTITION_METHODS:
             out.append(
                 f"Partition method {t.partition_method!r} is not one of {', '.join(PARTITION_METHODS)}."
