@@ -335,16 +335,21 @@ def test_comfyui_quantized_tensors_swap_in_the_blocks_one_buffer(fixture_paths, 
     path = quant_fixtures.write_per_layer(fixture_paths.mmdit, tmp_path / "mmdit-per-layer.safetensors")
     patcher = load_model(ModelRecipe("diffusion_model", str(path), "default"), "fp32")
 
+    def state(t):
+        """The inner tensors and the context of torch's flatten protocol, which ComfyUI's QuantizedTensor
+        implements on every host (its private attributes differ: ``_layout_params`` on 0.3.75, ``_params``
+        in comfy-kitchen)."""
+        names, ctx = t.__tensor_flatten__()
+        return {n: getattr(t, n) for n in names}, ctx
+
     def pieces(t):
-        if type(t).__name__ != "QuantizedTensor":
-            return [t]
-        return [t._qdata] + [v for v in t._layout_params.values() if isinstance(v, torch.Tensor)]
+        return list(state(t)[0].values()) if type(t).__name__ == "QuantizedTensor" else [t]
 
     def same(original, now):
-        a, b = original._layout_params, now._layout_params
-        return (now._layout_type == original._layout_type == "TensorCoreFP8Layout" and a.keys() == b.keys()
-                and now._qdata.dtype == torch.float8_e4m3fn and b["orig_dtype"] == torch.float32
-                and all(torch.equal(v, b[k].cpu()) if isinstance(v, torch.Tensor) else v == b[k] for k, v in a.items()))
+        (a, a_ctx), (b, b_ctx) = state(original), state(now)
+        return (type(now) is type(original) and a_ctx == b_ctx and a.keys() == b.keys()
+                and now._qdata.dtype == torch.float8_e4m3fn and now.dtype == original.dtype
+                and all(torch.equal(v, b[k].cpu()) for k, v in a.items()))
 
     _swap_matches_the_unswapped_stage(patcher, "QuantizedTensor", pieces, same)
 

@@ -186,15 +186,15 @@ def test_ti2v_expert_run_trains_with_a_clean_first_frame_and_records_the_expert(
     import math
 
     from pipetrainer.devkit.fixtures_video import WAN22_TI2V_FILE
+    from pipetrainer.tests.family_rows.common import cache_items
     from pipetrainer.tests.helpers import losses, make_spec, run_training
-    from pipetrainer.tests.test_families import _cache_items
     from pipetrainer.training.spec.options import LoraSpec
     from safetensors import safe_open
 
     row = ROW["Wan22-TI2V"]
     model = _load("Wan22-TI2V", comfy_root, fixture_paths)  # builds the detected file once
     file = comfy_root / "models" / "diffusion_models" / WAN22_TI2V_FILE
-    items = _cache_items(row, model, tmp_path / "cache")
+    items = cache_items(row, model, tmp_path / "cache")
     spec = make_spec(file, items, tmp_path / "run", comfy_root, steps=3, pipeline_stages=1,
                      lora=LoraSpec(rank=4, alpha=4.0, targets="attention_mlp"))
     spec = dataclasses.replace(spec, family_options={"first_frame_clean": True, "expert": "high_noise"})
