@@ -174,9 +174,11 @@ def test_a_bad_lora_name_is_refused_on_its_widget_where_the_user_sees_it(page, a
         if "lora_name" not in page.evaluate("() => document.body.innerText"):
             page.get_by_text("See Errors", exact=True).first.click()
         page.wait_for_function("() => document.body.innerText.includes('lora_name')", timeout=30_000)
-        # frontend 1.49 first shows a toast ("rejected the value for lora_name", "View details")
+        # frontend 1.49 shows a toast ("rejected the value for lora_name", "View details") that opens an
+        # errors panel listing "Train LoRA (PipeTrainer) - lora_name"; its info button shows the message
         if "must be a plain file name" not in page.evaluate("() => document.body.innerText"):
             page.get_by_text("View details", exact=True).first.click()
+            page.locator("button[aria-label^='Info for'][aria-label$='lora_name']").first.click()
             page.wait_for_function("() => document.body.innerText.includes('must be a plain file name')",
                                    timeout=30_000)
     finally:
