@@ -19,6 +19,7 @@ from ..training.model.model_source import model_options
 from ..training.spec.choices import WEIGHT_DTYPES
 from ..training.spec.options import ModelRecipe
 from .model_source import attach_recipe
+from .run.held_weights import attach_reload
 from .types import CATEGORY
 
 
@@ -48,10 +49,13 @@ class PipeTrainerLoadCheckpoint(io.ComfyNode):
     @classmethod
     def execute(cls, ckpt_name: str, weight_dtype: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
+        options = model_options(weight_dtype)
         model, clip, vae = comfy.sd.load_checkpoint_guess_config(
             path, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-            model_options=model_options(weight_dtype))[:3]
+            model_options=options)[:3]
         if model is None:
             raise ValueError(f"ComfyUI found no diffusion model in {ckpt_name}.")
+        # the MODEL alone, as ComfyUI's own reload factory loads it (its copy is freed while training runs)
+        attach_reload(model, comfy.sd.load_checkpoint_guess_config, (path, False, False, False, None, True, options), 0)
         attach_recipe(model, ModelRecipe("checkpoint", path, weight_dtype, file_fingerprint(path)))
         return io.NodeOutput(model, clip, vae)

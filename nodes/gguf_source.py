@@ -18,6 +18,7 @@ from ..training.model.fingerprint import file_fingerprint
 from ..training.quant.gguf import missing_gguf_message
 from ..training.spec.options import ModelRecipe
 from .model_source import attach_recipe
+from .run.held_weights import attach_reload
 from .types import CATEGORY
 
 GGUF_NODE = "UnetLoaderGGUF"
@@ -58,6 +59,7 @@ class PipeTrainerLoadGGUF(io.ComfyNode):
         if loader is None:
             raise RuntimeError(missing_gguf_message("ComfyUI's custom_nodes folder"))
         model = loader().load_unet(unet_name)[0]
+        attach_reload(model, loader().load_unet, (unet_name,), 0)  # ComfyUI's copy is freed while training runs
         path = folder_paths.get_full_path_or_raise("unet", unet_name)
         folder = str(Path(inspect.getfile(loader)).resolve().parent)
         attach_recipe(model, ModelRecipe("gguf", path, "default", file_fingerprint(path), extension_path=folder))

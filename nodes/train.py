@@ -27,6 +27,7 @@ from .model_source import no_recipe_message, recipe_of
 from .preview_settings import PreviewConfig, preview_save_every
 from .regularization import RegularizationConfig
 from .run import checkpoints, paths, run_messages, run_process
+from .run.held_weights import HeldWeights
 from .run.loss_plot import as_image_tensor, loss_curve
 from .run.preview_sheet import progress_sheet
 from .run.previews import PreviewRunner
@@ -268,6 +269,7 @@ class PipeTrainerTrain(io.ComfyNode):
         except SpecError as exc:
             show_text(f"not started: {len(exc.problems)} problem(s), see the error", node_id)
             raise
+        notes += memory.preview_notes(model, cache, spec, previews)  # a preview's need beside the plan (GPU)
         run_dir = paths.new_run_dir(lora_name)
         spec = dataclasses.replace(spec, model=write_stacked_loras(model, spec.model, run_dir), run_dir=run_dir)
         try:
@@ -287,9 +289,11 @@ class PipeTrainerTrain(io.ComfyNode):
             curve = loss_curve(view.losses, view.steps, validation=view.validation_points)
             return "PNG", progress_sheet(curve, runner.latest, runner.latest_step), 640
 
+        held = HeldWeights(model, spec.model.path, spec.model.fingerprint)
         runner = PreviewRunner(previews, model, run_dir, show=lambda text: show_text(text, node_id),
                                on_shown=lambda: bar.update_absolute(view.steps[-1] if view.steps else 0,
-                                                                    spec.train.steps, sheet()))
+                                                                    spec.train.steps, sheet()),
+                               weights=held.lent)
         runner.prepare()  # encodes the prompts while ComfyUI's models are still loaded
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
@@ -314,25 +318,32 @@ class PipeTrainerTrain(io.ComfyNode):
                 show_text(f"{text}\n{runner.status}" if runner.status else text, node_id)
 
         show_text("\n".join([*notes, run_messages.LAUNCHING]), node_id)
-        handle = run_process.launch(spec, WARM_POOL, notes=notes)
+        held.release()  # ComfyUI's own copy of the model is idle while the ranks train
         try:
-            code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
-                                      on_idle=runner.render_pending, on_stop=lambda text: show_text(text, node_id))
-        except comfy.model_management.InterruptProcessingException:
-            show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
-            raise
-        finally:  # the next run's processes do their imports now, while this result is looked at
-            WARM_POOL.refill(run_process.warm_key(spec), os.path.join(paths.runs_root(), ".warm"))
-        if code == run_process.EXIT_STOPPED or comfy.model_management.processing_interrupted():
-            stopped = run_messages.stopped_text(handle.events, resume)
-            show_text(stopped, node_id)
-            comfy.model_management.throw_exception_if_processing_interrupted()
-            raise run_process.TrainingFailed(f"Training {stopped} (run folder {spec.run_dir}).")
-        if code != run_process.EXIT_OK or not os.path.exists(spec.lora_output):
-            show_text(f"failed: see the error (run folder {spec.run_dir})", node_id)
-            raise run_process.TrainingFailed(run_process.failure_message(handle))
+            handle = run_process.launch(spec, WARM_POOL, notes=[*notes, held.note()])
+            try:
+                code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
+                                          on_idle=runner.render_pending, on_stop=lambda text: show_text(text, node_id))
+            except comfy.model_management.InterruptProcessingException:
+                show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
+                raise
+            finally:  # the next run's processes do their imports now, while this result is looked at
+                WARM_POOL.refill(run_process.warm_key(spec), os.path.join(paths.runs_root(), ".warm"))
+            if code == run_process.EXIT_STOPPED or comfy.model_management.processing_interrupted():
+                stopped = run_messages.stopped_text(handle.events, resume)
+                show_text(stopped, node_id)
+                comfy.model_management.throw_exception_if_processing_interrupted()
+                raise run_process.TrainingFailed(f"Training {stopped} (run folder {spec.run_dir}).")
+            if code != run_process.EXIT_OK or not os.path.exists(spec.lora_output):
+                show_text(f"failed: see the error (run folder {spec.run_dir})", node_id)
+                raise run_process.TrainingFailed(run_process.failure_message(handle))
 
-        runner.finish()  # the final LoRA's previews; a failed one is reported, never raised
+            runner.finish()  # the final LoRA's previews; a failed one is reported, never raised
+            held.restore()  # the samplers after this node use the MODEL: its weights come back now
+        finally:  # a cancelled or failed run gives the graph its model back too
+            reload_problem = held.restore_or_report()
+            if reload_problem:
+                show_text(f"warning: {reload_problem}", node_id)
         lora_sd = load_file(spec.lora_output)
         trained, _ = comfy.sd.load_lora_for_models(model, None, lora_sd, 1.0, 0)
         curve = as_image_tensor(loss_curve(view.losses, view.steps, validation=view.validation_points))

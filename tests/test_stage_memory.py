@@ -189,3 +189,46 @@ def test_two_flux_stages_each_peak_at_most_0_6_of_one_stage_with_bitwise_losses(
     assert sorted(done) == [0, 1]
     for rank, e in done.items():
         assert e["peak_rss_mb"] <= 0.6 * one_done["peak_rss_mb"], (rank, e["peak_rss_mb"], one_done["peak_rss_mb"])
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """This process's memory mappings of the file at ``path`` (Linux ``/proc/self/maps``)."""
+    import os
+
+    real, out = os.path.realpath(path), []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == real:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                out.append((start, end))
+    return out
+
+
+def _in_file(t: torch.Tensor, ranges) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(start <= ptr < end for start, end in ranges)
+
+
+@pytest.mark.parametrize("compute, shared", [("fp32", True), ("bf16", False)])
+def test_weights_of_the_file_dtype_are_the_files_pages(fixture_paths, tmp_path, compute, shared):
+    """A stage weight stored as the file stores it is the file's memory-mapped tensor (ranks share its
+    pages), not a private copy; a dtype change copies. Writing into a shared weight (a stacked LoRA's
+    merge) never reaches the file: the mapping is copy-on-write."""
+    import hashlib
+
+    recipe = _recipe(fixture_paths.mmdit, [(_stacked_lora(tmp_path), 0.8)])  # the tiny MMDiT file is fp32
+    before = hashlib.sha256(fixture_paths.mmdit.read_bytes()).hexdigest()
+    full = load_model(recipe, compute).model.diffusion_model.state_dict()
+    deferred = DeferredWeights()
+    patcher = load_model(recipe, compute, deferred=deferred)
+    loaded = finish_loading(patcher, deferred, [])
+    dm = patcher.model.diffusion_model
+    ranges = _mapped_ranges(fixture_paths.mmdit)
+    linears = [m.weight for m in dm.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(_in_file(w, ranges) == shared for w in linears)
+    state = dm.state_dict()
+    assert all(torch.equal(state[k], full[k]) for k in loaded)  # as ComfyUI's own full load, LoRA merged
+    with torch.no_grad():
+        linears[0].add_(1.0)
+    assert hashlib.sha256(fixture_paths.mmdit.read_bytes()).hexdigest() == before

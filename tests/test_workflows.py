@@ -60,6 +60,25 @@ def test_ui_workflow_is_a_consistent_graph(api_file, ui_file, object_info, host_
     assert ui["last_node_id"] == max(nodes) and ui["last_link_id"] == len(ui["links"])
 
 
+def test_each_ui_note_is_its_description_and_out_of_vram_names_auto_swap():
+    """The note that opens a UI workflow (and its ``extra.pipetrainer_description``) is its
+    ``workflows/api/<name>.md``, which ``scripts/pt.py ui-workflow`` writes into it; a note's "Out of VRAM"
+    line says that ``blocks_to_swap = -1`` picks the swap automatically before the run."""
+    with_vram_line = 0
+    for api_file, ui_file in PAIRS:
+        description = api_file.with_suffix(".md")
+        note = description.read_text(encoding="utf-8").strip() if description.exists() else ""
+        ui = json.loads(ui_file.read_text(encoding="utf-8"))
+        notes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] in NOTE_TYPES]
+        assert notes == ([note] if note else []), f"{ui_file.name}: regenerate with .venv/bin/python scripts/pt.py ui-workflow"
+        assert ui.get("extra", {}).get("pipetrainer_description", "") == note, ui_file.name
+        for line in note.splitlines():
+            if "Out of VRAM" in line:
+                with_vram_line += 1
+                assert "`blocks_to_swap = -1`" in line and "automatically before the run" in line, (ui_file.name, line)
+    assert with_vram_line >= 8  # the large models' notes (FLUX, Chroma, Qwen-Image, HunyuanVideo, Wan 14B)
+
+
 def test_template_browser_offers_only_ui_workflows(server):
     """ComfyUI lists every workflows/*.json of the pack as a template: all of them must be UI format."""
     templates = server.get("/workflow_templates")
@@ -157,6 +176,7 @@ EXAMPLES = {
     "pipetrainer_z_image_turbo": ("Lumina2", {}, set()),
     "pipetrainer_lumina2": ("Lumina2", {}, set()),
     "pipetrainer_sdxl": ("SDXL", {}, set()),
+    "pipetrainer_sd15": ("SD1/SD2", {}, set()),
     "pipetrainer_wan_t2v": ("Wan", {}, set()),
     "pipetrainer_wan21_i2v": ("Wan", {}, {"start_image", "clip_vision"}),
     "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),

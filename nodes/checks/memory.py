@@ -10,6 +10,11 @@ their own size. The LoRA parameters per stage come from the adapter type's size 
 (training/adapters/size.py), the tokens from the cached latent and text shapes, the hidden width from the
 blocks' Linears, and each rank's free memory from NVML (nodes/checks/gpus.py) plus what ComfyUI's loaded
 models hold on its own GPU, which the Train node unloads before it starts the run.
+
+With previews connected on a GPU, the Train node also states what a preview needs (ComfyUI's own sizes:
+the MODEL as loaded, ``memory_required`` for the preview's latent, the VAE's decode estimate) next to what
+the plan leaves free on ComfyUI's device, where previews render (training/offload/preview_memory.py), and
+which ``gpus`` / ``--default-device`` keep previews off the training GPUs when they do not fit.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from ...training.offload.memory_plan import (
     Workload,
     lora_bytes_per_param,
     plan_blocks_to_swap,
+    stage_need,
 )
+from ...training.offload.preview_memory import PreviewFit, PreviewNeed, gpu_advice
 from ...training.offload.stages import balanced_boundaries, is_swappable, uniform_boundaries
 from ...training.spec.options import BLOCKS_TO_SWAP_AUTO, LoraSpec, OptimizerSpec, TrainSpec
 from .gpus import GpuInfo
@@ -176,9 +183,9 @@ def example_tokens(adapter, dm, cache: CacheResult) -> int:
 
 
 # ---- auto --------------------------------------------------------------------------------------------
-def plan_for_model(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimizer: OptimizerSpec,
-                   train: TrainSpec, budgets: Sequence[GpuBudget], margin: Margin = Margin()):
-    """The :class:`~...training.offload.memory_plan.SwapPlan` of this model and run on these stage budgets."""
+def plan_facts(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimizer: OptimizerSpec,
+               train: TrainSpec) -> tuple[list[StageWeights], Workload]:
+    """What each stage holds and the workload that sets its activations, for this model and run."""
     from ...training.pipelines.base import adapter_for
     from ...training.pipelines.checks import model_inputs
     from ...training.pipelines.targets import run_target_regex
@@ -198,6 +205,13 @@ def plan_for_model(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, opti
                     dtype_bytes=compute, checkpointing=train.gradient_checkpointing,
                     checkpoint_interval=train.checkpoint_interval,
                     lora_bytes_per_param=lora_bytes_per_param(optimizer.name, optimizer.ema_decay > 0))
+    return held, work
+
+
+def plan_for_model(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimizer: OptimizerSpec,
+                   train: TrainSpec, budgets: Sequence[GpuBudget], margin: Margin = Margin()):
+    """The :class:`~...training.offload.memory_plan.SwapPlan` of this model and run on these stage budgets."""
+    held, work = plan_facts(model, cache, lora, optimizer, train)
     return plan_blocks_to_swap(held, budgets, work, margin)
 
 
@@ -233,3 +247,113 @@ def resolve_auto(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimi
     if plan.problem:
         return 0, "", [plan.problem]
     return int(plan.blocks_to_swap or 0), plan.text(), []
+
+
+# ---- previews on ComfyUI's GPU -------------------------------------------------------------------------
+def comfyui_gpu() -> int | None:
+    """ComfyUI's own CUDA device number (where previews render), or None when it computes on the CPU."""
+    import comfy.model_management as mm
+    import torch
+
+    device = mm.get_torch_device()
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def preview_latent_shape(vae, width: int, height: int, frames: int) -> tuple[int, ...]:
+    """The shape of the empty latent a preview samples (nodes/run/previews.py ``empty_latent``)."""
+    ratio = vae.downscale_ratio
+    if isinstance(ratio, tuple):  # video VAEs: (frames -> latent frames, height ratio, width ratio)
+        frames_of, rh, rw = ratio
+        return (1, int(vae.latent_channels), int(frames_of(frames)), height // rh, width // rw)
+    return (1, int(vae.latent_channels), height // ratio, width // ratio)
+
+
+def largest_layer_bytes(module, compute_bytes: int) -> int:
+    """The largest weight + bias of one layer in the compute dtype: what ComfyUI's lowvram loading casts
+    onto the GPU for a layer it left off (a quantized weight by its logical shape)."""
+    import math
+
+    largest = 0
+    for m in module.modules():
+        tensors = [t for t in (getattr(m, "weight", None), getattr(m, "bias", None)) if hasattr(t, "shape")]
+        size = sum(math.prod(getattr(t, "tensor_shape", None) or t.shape) for t in tensors)
+        largest = max(largest, size * compute_bytes)
+    return largest
+
+
+def preview_need(model: ModelPatcher, settings, lora_file_bytes: int = 0) -> PreviewNeed:
+    """What a preview of ``settings`` (PreviewSettings) needs on the GPU, from ComfyUI's own sizes and
+    formulas (training/offload/preview_memory.py says which)."""
+    import math
+
+    import comfy.model_management as mm
+
+    base = model.model
+    shape = preview_latent_shape(settings.vae, settings.width, settings.height, settings.frames)
+    batch = 1 if math.isclose(settings.cfg, 1.0) else 2  # cfg 1: ComfyUI skips the uncond pass
+    reserve, floor = int(mm.extra_reserved_memory()), int(mm.minimum_inference_memory())
+    sampled = int(base.memory_required([shape[0] * batch, *shape[1:]]))
+    one = int(base.memory_required(list(shape)))
+    compute = base.manual_cast_dtype or base.get_dtype()
+    vae = settings.vae
+    try:
+        decode = int(vae.patcher.model_size()) + int(vae.memory_used_decode(shape, vae.vae_dtype))
+    except (AttributeError, TypeError, IndexError):  # a VAE without ComfyUI's estimate: its weights at least
+        decode = int(getattr(getattr(vae, "patcher", None), "model_size", lambda: 0)())
+    size = f"{settings.width}x{settings.height}" + (f"x{settings.frames}" if len(shape) == 5 else "")
+    return PreviewNeed(weights=int(model.model_size()) + lora_file_bytes, sampling=max(floor, sampled + reserve),
+                       decode=decode,
+                       lowvram_weights=largest_layer_bytes(base.diffusion_model, mm.dtype_size(compute)),
+                       lowvram_sampling=max(floor, one + reserve), size=size)
+
+
+def preview_fit(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimizer: OptimizerSpec, train: TrainSpec,
+                rank_gpus: Sequence[int], previews, visible: Sequence[GpuInfo], comfy_gpu: int,
+                releasable: dict[int, int] | None = None, margin: Margin = Margin()) -> PreviewFit | None:
+    """A preview on GPU ``comfy_gpu`` beside the run's plan (``train.blocks_to_swap``: a number, or auto,
+    planned here); None when ComfyUI's device is not among ``visible``."""
+    by_index = {g.index: g for g in visible}
+    info = by_index.get(comfy_gpu)
+    if info is None:
+        return None
+    releasable = releasable or {}
+    held, work = plan_facts(model, cache, lora, optimizer, train)
+    lora_file = sum(s.lora_params for s in held) * (4 if lora.save_dtype == "fp32" else 2)
+    need = preview_need(model, previews, lora_file)
+    rank = next((r for r, g in enumerate(rank_gpus) if g == comfy_gpu), None)
+    stage = None if rank is None else rank // max(1, train.data_parallel)
+    swap = train.blocks_to_swap
+    if swap == BLOCKS_TO_SWAP_AUTO:
+        budgets = stage_budgets(rank_gpus, visible, train.pipeline_stages, train.data_parallel, releasable)
+        swap = plan_blocks_to_swap(held, budgets, work, margin).blocks_to_swap or 0
+    left = None
+    if info.memory_read:
+        left = info.free_bytes + releasable.get(comfy_gpu, 0)
+        if stage is not None:
+            left -= stage_need(stage, held[stage], work, margin, swap).total
+    advice = gpu_advice(comfy_gpu, rank_gpus, [g.index for g in visible])
+    return PreviewFit(f"GPU {comfy_gpu} ({info.name})", need, left, rank, stage, swap, advice)
+
+
+def preview_notes(model: ModelPatcher, cache: CacheResult, spec, previews, visible: Sequence[GpuInfo] | None = None,
+                  comfy_gpu: int | None = None, releasable: dict[int, int] | None = None) -> list[str]:
+    """The Train node's line on previews next to the plan (for its notes and the run log): none without
+    previews or on the CPU. ``spec`` is the built RunSpec (blocks_to_swap resolved, the ranks' GPUs in
+    ``spec.launch.gpus``). A line that cannot be worked out is left off (logged): it never stops a run."""
+    if previews is None or spec.device != "cuda":
+        return []
+    try:
+        from .gpus import visible_gpus
+
+        fit = preview_fit(model, cache, spec.lora, spec.optimizer, spec.train, spec.launch.gpus, previews,
+                          list(visible_gpus() if visible is None else visible),
+                          comfyui_gpu() if comfy_gpu is None else comfy_gpu,
+                          comfyui_releasable() if releasable is None else releasable)
+    except Exception:  # noqa: BLE001 - a note, never a reason not to train
+        import logging
+
+        logging.exception("[PipeTrainer] could not estimate the previews' GPU memory")
+        return []
+    return [fit.text()] if fit is not None else []

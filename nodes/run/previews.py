@@ -12,6 +12,7 @@ docs/previews.md. A preview that fails is reported (node text, ``events.jsonl`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -114,12 +115,16 @@ class PreviewRunner:
     """
 
     def __init__(self, settings: PreviewSettings | None, model, run_dir: str,
-                 show: Callable[[str], None] = lambda text: None, on_shown: Callable[[], None] = lambda: None):
+                 show: Callable[[str], None] = lambda text: None, on_shown: Callable[[], None] = lambda: None,
+                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        """``weights``: a context in which the MODEL holds its weights (nodes/run/held_weights.py: ComfyUI's
+        copy is released while training runs and comes back for each preview)."""
         self.settings = settings
         self.model = model
         self.run_dir = Path(run_dir)
         self._show = show
         self._on_shown = on_shown
+        self._weights = weights
         self._conds: list | None = None
         self._negative = None
         self._pending: list[dict] = []
@@ -199,7 +204,7 @@ class PreviewRunner:
 
     def _images(self, step: int, lora_path: str, folder: Path) -> tuple[list[Image.Image], list[Path]]:
         images, files = [], []
-        with torch.inference_mode():  # as ComfyUI runs every node, so as the stock graph runs
+        with self._weights(), torch.inference_mode():  # inference mode: as ComfyUI runs every node
             model = with_lora(self.model, lora_path)
             for index, positive in enumerate(self._conds):
                 comfy.model_management.throw_exception_if_processing_interrupted()
