@@ -1,5 +1,6 @@
-"""SDXL beyond the generic family table: detection of the real layout, the loss targets, the size/crop vector,
-the relatives that are refused, and what crosses stage boundaries (the UNet's skip stack).
+"""SDXL beyond the generic family table: detection of the real layout, the loss targets, the size/crop vector and
+the relatives that are refused. What crosses stage boundaries (the UNet's skip stack, shared with SD 1.x / 2.x)
+is in tests/test_unet.py.
 
 ComfyUI's detection pins SDXL at 2.57 B parameters, so the real layout is built on the meta device (shapes
 only, no memory) and fed to ComfyUI's own detection; everything numeric runs on the tiny rows of
@@ -163,111 +164,6 @@ def test_relatives_are_refused_by_name(comfy_root):
     refiner = object.__new__(comfy.model_base.SDXLRefiner)  # only its class matters to the registry
     with pytest.raises(UnknownFamilyError, match="SDXLRefiner"):
         family_name_for(refiner)
-
-
-def test_every_stage_boundary_sends_distinct_tensors_that_the_rest_uses(comfy_root):
-    """Cut the layer list anywhere: no tensor appears twice in the tuple (a boundary would send it twice),
-    and every float tensor of the tuple gets a gradient from the layers after the cut (the engine's rule:
-    a received tensor the receiver does not use leaves its gradient undefined)."""
-    from pipetrainer.training.pipelines.base import Batch, adapter_for
-
-    model = sdxl_small().model
-    adapter = adapter_for("SDXL")
-    layers = adapter.stage_layers(model.diffusion_model)
-    g = torch.Generator().manual_seed(4)
-    batch = Batch(torch.randn(1, 4, 7, 5, generator=g), torch.tensor([500.0]), torch.randn(1, 5, 32, generator=g),
-                  torch.randn(1, POOLED, generator=g))
-    out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in adapter.first_stage_inputs(batch))
-    for cut in range(len(layers) + 1):
-        if cut:
-            with torch.no_grad():
-                out = layers[cut - 1](out)
-        if cut == len(layers):
-            break
-        assert len({id(t) for t in out}) == len(out), cut
-        sent = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in out)
-        rest = sent
-        for layer in layers[cut:]:
-            rest = layer(rest)
-        floats = [t for t in sent if t.is_floating_point()]
-        grads = torch.autograd.grad(rest.square().mean(), floats, allow_unused=True)
-        assert all(gr is not None for gr in grads), (cut, [gr is None for gr in grads])
-
-
-THIS = "pipetrainer.tests.test_sdxl"
-
-
-def two_training_steps(rank: int, world: int) -> dict:
-    """On a gloo rank: 2 steps of the tiny SDXL row through DeepSpeed's pipeline engine in ``world`` stages
-    (uniform split), the engine's own first layer, contiguity hook, LoRA injection and stage engine."""
-    import os
-
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    from pipetrainer.devkit.host import comfyui_root
-    from pipetrainer.patches.deepspeed_shm import disable_shm_comm_build
-    from pipetrainer.training.model.comfy_env import enable_comfy_training_mode, use_comfyui
-
-    use_comfyui(comfyui_root(), "cpu")
-    enable_comfy_training_mode()
-    disable_shm_comm_build()
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-    from pipetrainer.patches.deepspeed_stage_engine import build_stage_engine
-    from pipetrainer.training.adapters.inject import freeze_all_but_lora, inject_lora
-    from pipetrainer.training.loop.engine import _contiguous_outputs, _inputs_need_grad
-    from pipetrainer.training.objective.loss import mse_loss, noisy_input_and_target
-    from pipetrainer.training.pipelines.base import Batch, adapter_for
-    from pipetrainer.training.spec.options import LoraSpec
-
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    model = sdxl_small().model
-    adapter = adapter_for("SDXL")
-    layers = adapter.stage_layers(model.diffusion_model)
-    for layer in layers:
-        layer.register_forward_hook(_contiguous_outputs)
-    module = PipelineModule(layers=[_inputs_need_grad, *layers], num_stages=world, loss_fn=mse_loss,
-                            partition_method="uniform", dynamic_shape=True)
-    local = [(int(name), layer) for name, layer in module.named_children() if name.isdigit()]
-    inject_lora(local, adapter.lora_target_regex("attention_mlp"), LoraSpec(rank=4, alpha=4.0), seed=0)
-    params = freeze_all_but_lora(module)
-    # SGD: Adam would blow fp32 rounding on near-zero gradients up to whole steps of size lr
-    engine = build_stage_engine(module, torch.optim.SGD(params, lr=0.1), None, params, {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
-        "steps_per_print": 10**9, "gradient_clipping": 0.0})
-
-    def batches():
-        g = torch.Generator().manual_seed(0)
-        ms = model.model_sampling
-        while True:
-            x0 = model.process_latent_in(torch.randn(1, 4, 7, 5, generator=g))
-            noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), ms.sigmas[[300]].float())
-            batch = Batch(noised.network_input, noised.timestep, torch.randn(1, 5, 32, generator=g),
-                          torch.randn(1, POOLED, generator=g), extras={"size_crop": torch.tensor([SIZE_CROP])})
-            yield adapter.first_stage_inputs(batch), noised.target
-
-    data = batches()
-    losses = [float(engine.train_batch(data)) for _ in range(2)]
-    lora = {name: p.detach().double().sum().item() for name, p in module.named_parameters() if p.requires_grad}
-    return {"losses": losses, "lora": lora}
-
-
-@pytest.mark.slow
-def test_two_steps_in_one_and_two_stages_train_alike(comfy_root, tmp_path):
-    """The skip stack crosses a real DeepSpeed stage boundary (gloo, the engine's pieces): the losses and
-    the trained LoRA of a 2-stage run equal the 1-stage run's (the LoRA to rounding). (No detected SDXL file is small enough
-    for the process-tree test of the family table: detection pins 2.57 B parameters.)"""
-    from pipetrainer.tests.gloo_ranks import run_on_gloo_ranks
-
-    (one,) = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp_path, world=1, collective_timeout_s=120)
-    two = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp_path, world=2, collective_timeout_s=120)
-    assert len(one["losses"]) == 2 and one["losses"] != [0.0, 0.0] and one["losses"][0] != one["losses"][1]
-    assert two[0]["losses"] == two[1]["losses"] == one["losses"]
-    merged = {**two[0]["lora"], **two[1]["lora"]}
-    assert set(two[0]["lora"]) and set(two[1]["lora"]) and not set(two[0]["lora"]) & set(two[1]["lora"])
-    # Not bitwise: a skip tensor feeds the next input block and, maybe on another stage, its output block,
-    # so its gradient is summed in another order when the stages split (fp32 rounding, ~1e-7 relative).
-    assert merged.keys() == one["lora"].keys()
-    assert all(abs(merged[k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in one["lora"].items())
 
 
 # ---- CosXL-style files: v-prediction on ComfyUI's continuous EDM schedule ---------------------------

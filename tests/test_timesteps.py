@@ -51,6 +51,7 @@ FAMILY_SAMPLING = {
     "Lumina2": ("Lumina2", {"image_model": "lumina2"}, "FLOW"),  # shift 6.0 (Z-Image's config: 3.0)
     "QwenImage": ("QwenImage", {"image_model": "qwen_image"}, "FLUX"),  # mu 1.15
     "SDXL": ("SDXL", {"model_channels": 320, "adm_in_channels": 2816}, "EPS"),  # 1000 discrete steps
+    "SD1/SD2": ("SD15", {"model_channels": 320}, "EPS"),  # the same 1000 steps (SD 2.x v too)
     "LTXV": ("LTXV", {"image_model": "ltxv"}, "FLUX"),  # mu 2.37
 }
 

@@ -12,6 +12,11 @@ Registry. Each family module registers its adapter when it is imported, with one
 
     ADAPTER = register(WanAdapter(), model_classes=("WAN21",))
 
+A class named in ``model_classes`` claims its subclasses too (``WAN22`` is a ``WAN21``); one named in
+``exact_classes`` only itself. ComfyUI builds SD 1.x / 2.x as ``model_base.BaseModel``, the base class of
+every other model class, so that family registers it exactly: AuraFlow or a refiner stay unknown instead of
+being taken for SD 1.x.
+
 The first lookup (:func:`family_name_for`, :func:`adapter_for`, :func:`known_families`) imports every
 module of this package once, so adding a family is adding one module: there is no central list to
 edit, and nothing is imported before a family is asked for. A family module does nothing at import
@@ -235,6 +240,7 @@ def refuse_unsupported(adapter: FamilyAdapter, diffusion_model: nn.Module) -> No
 
 _ADAPTERS: dict[str, FamilyAdapter] = {}  # family name -> adapter
 _MODEL_CLASSES: dict[str, str] = {}  # ComfyUI model class name (comfy.model_base.<name>) -> family name
+_EXACT_CLASSES: set[str] = set()  # those of _MODEL_CLASSES that are their family only as the model's own class
 _discovered = False
 
 
@@ -242,14 +248,16 @@ class UnknownFamilyError(ValueError):
     pass
 
 
-def register(adapter: FamilyAdapter, model_classes: Sequence[str]) -> FamilyAdapter:
+def register(adapter: FamilyAdapter, model_classes: Sequence[str], exact_classes: Sequence[str] = ()) -> FamilyAdapter:
     """Make ``adapter`` the family of the ComfyUI model classes named (and of their subclasses, unless
-    a subclass is registered itself); returns the adapter, so a module can write ``ADAPTER = register(...)``."""
-    for cls in model_classes:
+    a subclass is registered itself) and of the ``exact_classes`` (never of their subclasses); returns the
+    adapter, so a module can write ``ADAPTER = register(...)``."""
+    for cls in (*model_classes, *exact_classes):
         owner = _MODEL_CLASSES.get(cls)
         if owner is not None and owner != adapter.name:
             raise ValueError(f"ComfyUI model class {cls} is registered by both {owner} and {adapter.name}.")
         _MODEL_CLASSES[cls] = adapter.name
+    _EXACT_CLASSES.update(exact_classes)
     _ADAPTERS[adapter.name] = adapter
     return adapter
 
@@ -278,10 +286,12 @@ def model_classes_of(family: str) -> list[str]:
 
 
 def family_name_for(model_base: object) -> str:
-    """The registered family of a ComfyUI ``BaseModel`` instance, walking its class hierarchy."""
+    """The registered family of a ComfyUI ``BaseModel`` instance, walking its class hierarchy (a class
+    registered exactly counts only as the model's own class)."""
     _discover()
-    for cls in type(model_base).__mro__:
-        if cls.__name__ in _MODEL_CLASSES:
+    own = type(model_base)
+    for cls in own.__mro__:
+        if cls.__name__ in _MODEL_CLASSES and (cls is own or cls.__name__ not in _EXACT_CLASSES):
             return _MODEL_CLASSES[cls.__name__]
     raise UnknownFamilyError(
         f"PipeTrainer cannot train {type(model_base).__name__} models yet. "
