@@ -19,6 +19,8 @@ What each file holds (0.3.75's detection; current ComfyUI detects the same files
 - Z-Image: dim 3840 (pins 30 heads, modulation, pad tokens), 1 layer plus 2 + 2 refiners, text width 32.
 - Chroma: hidden 3072 (24 heads, axes 16/56/56 pinned) and the pinned 5-layer guidance approximator;
   1 double and 1 single block, text width 32.
+- PixArt Sigma: hidden 1152 and 16 heads pinned, T5-XXL's 4096-wide caption projection (not read from the
+  shapes), 1 block (AuraFlow, dim 3072 pinned, would be 0.5 B for 1 double and 1 single block: left to the fast rows).
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ def _chroma() -> dict:
         return Chroma(operations=torch.nn, **params).state_dict()
 
 
+def _pixart_sigma() -> dict:
+    import comfy.ops
+    from comfy.ldm.pixart.pixartms import PixArtMS
+
+    return PixArtMS(depth=1, hidden_size=1152, num_heads=16, caption_channels=4096, model_max_length=300,
+                    micro_condition=False, device=torch.device("meta"),
+                    operations=comfy.ops.disable_weight_init).state_dict()
+
+
 def _num_tokens(cond, pooled, options, extras) -> dict:
     return {"num_tokens": cond.shape[1]}
 
@@ -108,6 +119,8 @@ CASES = {
     "Lumina2": Case(_lumina2, "Lumina2", (3.5e8, 5.0e8), _row("Lumina2", (16, 4, 4), _num_tokens)),
     "ZImage": Case(_zimage, "ZImage", (7.5e8, 1.0e9), _row("Lumina2", (16, 4, 4), _num_tokens)),
     "Chroma": Case(_chroma, "Chroma", (4.5e8, 7.0e8), _row("Chroma", (16, 4, 4), _no_guidance)),
+    # 40 x 36: ComfyUI's sin-cos table degenerates below (H + W) / 2 = 33 latent pixels (tests/family_rows/pixart.py)
+    "PixArtSigma": Case(_pixart_sigma, "PixArtSigma", (3.0e7, 5.0e7), _row("PixArt", (4, 40, 36))),
 }
 
 
@@ -151,7 +164,7 @@ def test_smallest_detectable_model_loads_through_the_stock_loader_and_stages_exa
         assert type(patcher.model.model_config).__name__ == case.config
         assert family_name_for(model) == case.row.family
         adapter = adapter_for(case.row.family)
-        assert adapter.conditioning_dims(model.diffusion_model)[0] in (CONTEXT, 3584)  # Qwen pins Qwen2.5-VL's
+        assert adapter.conditioning_dims(model.diffusion_model)[0] in (CONTEXT, 3584, 4096)  # Qwen2.5-VL's, T5-XXL's
         options = adapter.options_type()
         noisy, sigma, cond, pooled, noised, extras, clean = _example(case.row, model)
         with torch.no_grad():

@@ -126,13 +126,16 @@ def test_relatives_are_refused_by_name(comfy_root):
 
 
 def test_only_comfyuis_plain_base_model_is_taken_for_sd1_sd2(comfy_root):
-    """ComfyUI builds SD 1.x / 2.x as ``BaseModel`` itself; its other subclasses (SDXLRefiner, AuraFlow, Stable Zero123,
-    ...) stay unknown models, named in the error, instead of being trained or refused as SD 1.x."""
+    """ComfyUI builds SD 1.x / 2.x as ``BaseModel`` itself; its other subclasses are their own families (AuraFlow,
+    PixArt) or stay unknown models (SDXLRefiner, Stable Zero123, HunyuanDiT, ...), named in the error, instead of
+    being trained or refused as SD 1.x."""
     import comfy.model_base
     from pipetrainer.training.pipelines.base import UnknownFamilyError, family_name_for
 
     assert family_name_for(object.__new__(comfy.model_base.BaseModel)) == FAMILY  # only its class matters here
-    for cls in ("SDXLRefiner", "AuraFlow", "Stable_Zero123", "PixArt"):
+    for cls in ("AuraFlow", "PixArt"):
+        assert family_name_for(object.__new__(getattr(comfy.model_base, cls))) == cls
+    for cls in ("SDXLRefiner", "Stable_Zero123", "HunyuanDiT"):
         with pytest.raises(UnknownFamilyError, match=cls):
             family_name_for(object.__new__(getattr(comfy.model_base, cls)))
 

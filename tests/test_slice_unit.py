@@ -109,16 +109,16 @@ def test_missing_caption_policy(tmp_path):
 
 
 def test_registry_rejects_unknown_models_listing_the_known_ones():
-    class AuraFlow:  # stands in for any ComfyUI model class we do not support
+    class HunyuanDiT:  # stands in for any ComfyUI model class we do not support
         pass
 
     with pytest.raises(UnknownFamilyError) as err:
-        family_name_for(AuraFlow())
+        family_name_for(HunyuanDiT())
     for family in known_families():
         assert family in str(err.value)
-    assert "AuraFlow" in str(err.value)
+    assert "HunyuanDiT" in str(err.value)
     with pytest.raises(UnknownFamilyError):
-        adapter_for("AuraFlow")
+        adapter_for("HunyuanDiT")
 
 
 def test_registry_finds_the_family_of_real_comfy_models(fixture_paths):

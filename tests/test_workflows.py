@@ -177,6 +177,8 @@ EXAMPLES = {
     "pipetrainer_lumina2": ("Lumina2", {}, set()),
     "pipetrainer_sdxl": ("SDXL", {}, set()),
     "pipetrainer_sd15": ("SD1/SD2", {}, set()),
+    "pipetrainer_auraflow": ("AuraFlow", {}, set()),
+    "pipetrainer_pixart_sigma": ("PixArt", {}, set()),
     "pipetrainer_wan_t2v": ("Wan", {}, set()),
     "pipetrainer_wan21_i2v": ("Wan", {}, {"start_image", "clip_vision"}),
     "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),

@@ -14,8 +14,8 @@ Registry. Each family module registers its adapter when it is imported, with one
 
 A class named in ``model_classes`` claims its subclasses too (``WAN22`` is a ``WAN21``); one named in
 ``exact_classes`` only itself. ComfyUI builds SD 1.x / 2.x as ``model_base.BaseModel``, the base class of
-every other model class, so that family registers it exactly: AuraFlow or a refiner stay unknown instead of
-being taken for SD 1.x.
+every other model class, so that family registers it exactly: a refiner or Stable Zero123 stay unknown instead
+of being taken for SD 1.x.
 
 The first lookup (:func:`family_name_for`, :func:`adapter_for`, :func:`known_families`) imports every
 module of this package once, so adding a family is adding one module: there is no central list to
