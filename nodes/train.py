@@ -289,8 +289,16 @@ class PipeTrainerTrain(io.ComfyNode):
             curve = loss_curve(view.losses, view.steps, validation=view.validation_points)
             return "PNG", progress_sheet(curve, runner.latest, runner.latest_step), 640
 
+        progress = ["\n".join([*notes, run_messages.LAUNCHING])]  # the run's own text: step, loss, ETA
+
+        def show_progress(text: str | None = None) -> None:
+            """The run's text, with the previews' status lines under it (one rendering keeps the step)."""
+            if text is not None:
+                progress[0] = text
+            show_text("\n".join(t for t in (progress[0], runner.status) if t), node_id)
+
         held = HeldWeights(model, spec.model.path, spec.model.fingerprint)
-        runner = PreviewRunner(previews, model, run_dir, show=lambda text: show_text(text, node_id),
+        runner = PreviewRunner(previews, model, run_dir, show=lambda status: show_progress(),
                                on_shown=lambda: bar.update_absolute(view.steps[-1] if view.steps else 0,
                                                                     spec.train.steps, sheet()),
                                weights=held.lent)
@@ -315,20 +323,23 @@ class PipeTrainerTrain(io.ComfyNode):
             if text and event.get("type") == "phase":  # the memory plan stays in sight until step 0
                 text = "\n".join([*notes, text])
             if text:
-                show_text(f"{text}\n{runner.status}" if runner.status else text, node_id)
+                show_progress(text)
 
-        show_text("\n".join([*notes, run_messages.LAUNCHING]), node_id)
+        show_progress()
         held.release()  # ComfyUI's own copy of the model is idle while the ranks train
         try:
             handle = run_process.launch(spec, WARM_POOL, notes=[*notes, held.note()])
+            runner.start()  # previews render in their own thread: progress goes on while one renders
             try:
                 code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,
-                                          on_idle=runner.render_pending, on_stop=lambda text: show_text(text, node_id))
+                                          on_idle=runner.poll, on_stop=lambda text: show_text(text, node_id))
             except comfy.model_management.InterruptProcessingException:
                 show_text(run_messages.stopped_text(handle.events, resume), node_id)  # shown on the cancelled node
                 raise
             finally:  # the next run's processes do their imports now, while this result is looked at
                 WARM_POOL.refill(run_process.warm_key(spec), os.path.join(paths.runs_root(), ".warm"))
+            if code != run_process.EXIT_OK:  # a render under way is given up; Cancel's flag is the user's again
+                runner.close()
             if code == run_process.EXIT_STOPPED or comfy.model_management.processing_interrupted():
                 stopped = run_messages.stopped_text(handle.events, resume)
                 show_text(stopped, node_id)
@@ -340,7 +351,8 @@ class PipeTrainerTrain(io.ComfyNode):
 
             runner.finish()  # the final LoRA's previews; a failed one is reported, never raised
             held.restore()  # the samplers after this node use the MODEL: its weights come back now
-        finally:  # a cancelled or failed run gives the graph its model back too
+        finally:  # a cancelled or failed run gives the graph its model back too (after the preview worker)
+            runner.close()
             reload_problem = held.restore_or_report()
             if reload_problem:
                 show_text(f"warning: {reload_problem}", node_id)
@@ -352,8 +364,7 @@ class PipeTrainerTrain(io.ComfyNode):
         if warning:
             done += f"\nwarning: {warning}"
         done += "".join(f"\n{note}" for note in notes)
-        if runner.status:
-            done += f"\n{runner.status}"
+        done += "".join(f"\n{line}" for line in runner.summary())  # the last previews, the skipped ones
         show_text(done, node_id)
         return io.NodeOutput(trained, name, lora_sd, {"loss": view.losses}, curve,
                              ui=DoneText(done, runner.ui_images()))

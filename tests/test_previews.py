@@ -71,13 +71,16 @@ def test_a_failing_preview_is_reported_and_the_next_one_renders(comfy_root, fixt
     runner.on_event({"type": "saved", "step": 4, "path": str(good), "final": False})
     runner.on_event({"type": "saved", "step": 5, "path": str(good), "final": True})
     runner.finish()
+    skipped = "step 4 skipped: the step-5 preview was already due"
     assert runner.latest_step == 5 and runner.status.startswith("previews: step 5")
+    assert runner.status.endswith(skipped) and shown[-1] == runner.status  # on the node, under the progress
+    assert runner.summary()[1].startswith("previews skipped: 1 (step 4: training outran the renders")
     assert sorted(p.name for p in (run_dir / "previews").iterdir()) == ["step_5_0.png"]
     events = read_all(run_dir)
     assert [(e["type"], e["step"]) for e in events if e["type"].startswith("preview")] == [
-        ("preview_failed", 2), ("preview", 5)]
+        ("preview_failed", 2), ("preview_skipped", 4), ("preview", 5)]
     log = (run_dir / "logs" / "previews.log").read_text()
-    assert "Traceback" in log and "previews of step(s) 4 skipped" in log
+    assert "Traceback" in log and skipped in log and "step 5 rendered: step_5_0.png" in log
     assert "safetensors" in events[0]["message"].lower() or "header" in events[0]["message"]
 
     # A prompt that cannot be encoded: reported once, and no preview is attempted.
@@ -123,10 +126,12 @@ def test_the_final_preview_is_the_stock_graph_image_pixel_for_pixel(server, comf
     events = read_all(run_dir)
     rendered = [e["step"] for e in events if e["type"] == "preview"]
     # Ranks never wait for previews: on a loaded machine step 4 may come before step 2's render started,
-    # and then only the newest due step renders (the skip is logged). The final step always renders.
+    # and then only the newest due step renders (the skip is reported). The final step always renders.
     assert rendered in ([2, 4], [4]), server.log_tail()
     if rendered == [4]:
-        assert "previews of step(s) 2 skipped" in (run_dir / "logs" / "previews.log").read_text()
+        assert "step 2 skipped: the step-4 preview was already due" in (
+            run_dir / "logs" / "previews.log").read_text()
+        assert [e["step"] for e in events if e["type"] == "preview_skipped"] == [2]
     assert not [e for e in events if e["type"] == "preview_failed"]
     shown = entry["outputs"][TRAIN]["images"]  # the node's UI output: the final step's previews
     assert [(i["filename"], i["type"]) for i in shown] == [("step_4_0.png", "output")]

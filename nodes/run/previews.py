@@ -5,21 +5,28 @@ on the Train node's input MODEL, the stock ``CLIPTextEncode`` for the prompts, a
 VAE's size, the stock KSampler code path (``nodes.common_ksampler``) and the stock ``VAEDecode``. So a
 preview equals, pixel for pixel, what the same settings give in a graph with the same file.
 
-Rendering runs in the node's thread while the training processes go on (they never wait for it), see
-docs/previews.md. A preview that fails is reported (node text, ``events.jsonl`` ``preview_failed``,
-``logs/previews.log``, ComfyUI's console) and never ends the run; Cancel during a preview still cancels.
+While the training processes go on (they never wait for it), rendering runs in one worker thread of the
+Train node, so the node thread keeps forwarding progress while a preview renders; the final LoRA's
+previews render in the node thread after training (docs/previews.md). A preview that fails is reported
+(node text, ``events.jsonl`` ``preview_failed``, ``logs/previews.log``, ComfyUI's console) and never ends
+the run; so is each due step skipped because a newer one was due (``preview_skipped``). Cancel during a
+preview still cancels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
+import queue
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import comfy.model_management
+import comfy.utils
 import folder_paths
 import numpy as np
 import torch
@@ -105,20 +112,63 @@ def save_preview(images: torch.Tensor, folder: Path, step: int, index: int) -> P
     return path
 
 
+class _Abandoned(Exception):
+    """The node gave the render up (the run stopped or failed): the worker ends it at its next check."""
+
+
+class _WorkerProgress:
+    """ComfyUI's progress-bar hook while the preview worker lives.
+
+    ComfyUI's ``ProgressBar`` takes the global hook when it is made, and the sampler makes one per render,
+    in the worker. There a sampler step only checks whether to stop (Cancel, or the node giving the render
+    up), without moving the Train node's bar (it shows training's steps) and without consuming ComfyUI's
+    interrupt flag (the node thread acts on it). Every other thread gets ComfyUI's own hook.
+    """
+
+    def __init__(self, runner: PreviewRunner) -> None:
+        self.runner = runner
+        self.original = comfy.utils.PROGRESS_BAR_HOOK
+
+    def __call__(self, value, total, preview, *args, **kwargs):
+        if threading.current_thread() is self.runner._thread:
+            self.runner._stop_if_asked()
+            return None
+        return self.original(value, total, preview, *args, **kwargs) if self.original is not None else None
+
+    def install(self) -> None:
+        comfy.utils.set_progress_bar_global_hook(self)
+
+    def uninstall(self) -> None:
+        if comfy.utils.PROGRESS_BAR_HOOK is self:
+            comfy.utils.set_progress_bar_global_hook(self.original)
+
+
+def skipped_sentence(steps: list[int], due: int) -> str:
+    """``step 150 skipped: the step-200 preview was already due`` (``steps 100, 150 skipped: ...``)."""
+    names = ", ".join(str(s) for s in steps)
+    return f"step{'s' if len(steps) > 1 else ''} {names} skipped: the step-{due} preview was already due"
+
+
 class PreviewRunner:
     """Follows a run's ``saved`` events and renders the LoRA files of its preview steps.
 
-    ``on_event`` only notes a due step; ``render_pending`` (called by the node between polls of the
-    event log) renders the newest due step, skipping older ones when training outran the previews;
-    ``finish`` renders the final LoRA after the training processes exited. A disabled runner (no Preview
-    Settings connected) does nothing.
+    ``on_event`` notes a due step. After ``start`` one worker thread renders the newest due step while the
+    node thread goes on forwarding progress; due steps older than the one it takes are skipped and
+    reported. What the worker has to show reaches the node's callbacks through ``poll`` (called by the node
+    thread between polls of the event log), so every text and picture is sent from the node thread.
+    ``finish`` waits for a render under way and renders the final LoRA in the calling thread after the
+    training processes exited; ``close`` gives up a render under way (it stops at its next sampler step)
+    and waits for the worker. Without ``start``, ``render_pending`` renders in the calling thread. Never
+    two renders at once. A disabled runner (no Preview Settings connected) does nothing.
     """
 
     def __init__(self, settings: PreviewSettings | None, model, run_dir: str,
                  show: Callable[[str], None] = lambda text: None, on_shown: Callable[[], None] = lambda: None,
                  weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        """``weights``: a context in which the MODEL holds its weights (nodes/run/held_weights.py: ComfyUI's
-        copy is released while training runs and comes back for each preview)."""
+        """``show`` gets :attr:`status` when it changes, ``on_shown`` is called when new previews are there
+        (both in the node thread). ``weights``: a context in which the MODEL holds its weights
+        (nodes/run/held_weights.py: ComfyUI's copy is released while training runs and comes back for each
+        preview)."""
         self.settings = settings
         self.model = model
         self.run_dir = Path(run_dir)
@@ -129,15 +179,33 @@ class PreviewRunner:
         self._negative = None
         self._pending: list[dict] = []
         self._board: TensorBoardLog | None = None
-        self.latest: list[Image.Image] = []
-        self.latest_step: int | None = None
-        self.latest_files: list[Path] = []
-        self.status = ""  # one line the node keeps under its progress text
+        self._shown: tuple[int | None, list[Image.Image], list[Path]] = (None, [], [])  # one assignment
+        self.status = ""  # the lines the node keeps under its progress text
         self.failures: list[dict] = []
+        self.skipped: list[int] = []
+        self._lock = threading.Condition()
+        self._render_lock = threading.Lock()  # never two renders at once
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._abandon = threading.Event()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._hook: _WorkerProgress | None = None
 
     @property
     def enabled(self) -> bool:
         return self.settings is not None
+
+    @property
+    def latest_step(self) -> int | None:
+        return self._shown[0]
+
+    @property
+    def latest(self) -> list[Image.Image]:
+        return self._shown[1]
+
+    @property
+    def latest_files(self) -> list[Path]:
+        return self._shown[2]
 
     # ---- the prompts, once, before training starts ---------------------------------------------------
     def prepare(self) -> None:
@@ -159,65 +227,195 @@ class PreviewRunner:
             return
         step = int(event["step"])
         if event.get("final") or step % self.settings.every_n_steps == 0:
-            self._pending.append(event)
+            with self._lock:
+                self._pending = [e for e in self._pending if int(e["step"]) != step] + [event]
+                self._lock.notify_all()
+
+    def start(self) -> None:
+        """Render from now on in one worker thread (a no-op without previews)."""
+        if not self.enabled or self._conds is None or self._thread is not None or self._closing:
+            return
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._hook = _WorkerProgress(self)
+        self._hook.install()
+        context = contextvars.copy_context()  # the node's execution context, as if the node rendered
+        self._thread = threading.Thread(target=context.run, args=(self._work, device), daemon=True,
+                                        name="PipeTrainer previews")
+        self._thread.start()
+
+    def poll(self) -> None:
+        """In the node thread: show what the worker did since the last call (status, new previews)."""
+        while True:
+            try:
+                what = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._deliver(what)
 
     def render_pending(self) -> None:
-        """Render the newest due step (older due steps are skipped and logged)."""
-        if not self._pending:
-            return
-        newest, skipped = self._pending[-1], self._pending[:-1]
-        self._pending.clear()
-        if skipped:
-            self._log(f"previews of step(s) {', '.join(str(e['step']) for e in skipped)} skipped: training "
-                      f"reached step {newest['step']} first")
-        self._render(int(newest["step"]), str(newest["path"]))
+        """Render the newest due step in the calling thread (older due steps are skipped and reported)."""
+        taken = self._take()
+        if taken is not None:
+            self._render_newest(*taken)
 
     def finish(self) -> None:
-        """After a finished run: render the final LoRA (if not yet), close the TensorBoard writer."""
+        """After a finished run: wait for a render under way, render the final LoRA (if not yet) in the
+        calling thread, close the TensorBoard writer."""
         try:
+            self._stop_worker(abandon=False)
+            self.poll()
+            comfy.model_management.throw_exception_if_processing_interrupted()  # Cancel met by the worker
             self.render_pending()
         finally:
-            if self._board is not None:
-                try:
-                    self._board.close()
-                except Exception:  # noqa: BLE001 - an optional viewer's file
-                    logging.exception("[PipeTrainer] closing the previews' TensorBoard writer failed")
+            self.close()
 
-    def _render(self, step: int, lora_path: str) -> None:
-        self._show(f"rendering previews of step {step}")
+    def close(self) -> None:
+        """Give up a render under way (it ends at its next sampler step), wait for the worker, close the
+        TensorBoard writer. What the worker did last is not shown (the node shows how the run ended)."""
+        self._stop_worker(abandon=True)
+        if self._board is not None:
+            board, self._board = self._board, None
+            try:
+                board.close()
+            except Exception:  # noqa: BLE001 - an optional viewer's file
+                logging.exception("[PipeTrainer] closing the previews' TensorBoard writer failed")
+
+    def summary(self) -> list[str]:
+        """The lines for the node's final text: the last preview status, and every skipped step."""
+        lines = [self.status.split("\n")[0]] if self.status else []
+        if self.skipped:
+            steps = ", ".join(str(s) for s in self.skipped[:12]) + (", ..." if len(self.skipped) > 12 else "")
+            lines.append(f"previews skipped: {len(self.skipped)} (step{'s' if len(self.skipped) > 1 else ''} "
+                         f"{steps}: training outran the renders; see {self.run_dir / 'logs' / 'previews.log'})")
+        return lines
+
+    # ---- the worker ---------------------------------------------------------------------------------
+    def _work(self, device: int | None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        while True:
+            with self._lock:  # a reentrant lock: _take takes it too
+                while not (self._pending or self._closing):
+                    self._lock.wait()
+                if self._closing:
+                    return
+                taken = self._take()
+            try:
+                self._render_newest(*taken)
+            except _Abandoned:
+                self._log(f"preview of step {taken[0]['step']} abandoned: the run stopped before it was rendered")
+                return
+            except comfy.model_management.InterruptProcessingException:
+                # ComfyUI's layers consume the interrupt flag where they meet it: put it back for the node thread
+                comfy.model_management.interrupt_current_processing(True)
+                return
+            except Exception:  # noqa: BLE001 - a preview never ends a run (the node thread goes on)
+                logging.exception("[PipeTrainer] the preview worker failed")
+                return
+
+    def _stop_worker(self, abandon: bool) -> None:
+        with self._lock:
+            self._closing = True
+            if abandon:
+                self._abandon.set()
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._hook is not None:
+            self._hook.uninstall()
+            self._hook = None
+
+    def _stop_if_asked(self) -> None:
+        """Between the parts of a render: in the worker, stop when the node gave the render up or on Cancel
+        (leaving ComfyUI's flag to the node thread); in the node thread, ComfyUI's own check."""
+        if threading.current_thread() is self._thread:
+            if self._abandon.is_set():
+                raise _Abandoned()
+            if comfy.model_management.processing_interrupted():
+                raise comfy.model_management.InterruptProcessingException()
+        else:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+    def _take(self) -> tuple[dict, list[int]] | None:
+        """The newest due step and the older due ones it skips (None when none is due)."""
+        with self._lock:
+            if not self._pending:
+                return None
+            pending = sorted(self._pending, key=lambda e: int(e["step"]))
+            self._pending.clear()
+        return pending[-1], [int(e["step"]) for e in pending[:-1]]
+
+    def _tell(self, what: str) -> None:
+        """Hand ``what`` ("status" or "shown") to the node thread (directly when already in it)."""
+        if threading.current_thread() is self._thread:
+            self._inbox.put(what)
+        else:
+            self._deliver(what)
+
+    def _deliver(self, what: str) -> None:
+        if what == "status":
+            self._show(self.status)
+        else:
+            self._on_shown()
+
+    def _render_newest(self, newest: dict, skipped: list[int]) -> None:
+        step = int(newest["step"])
+        skip_line = ""
+        if skipped:
+            skip_line = skipped_sentence(skipped, step)
+            self.skipped += skipped
+            self._log(skip_line)
+            try:
+                writer = EventWriter(self.run_dir, source="node")
+                for s in skipped:
+                    writer.emit("preview_skipped", step=s, due=step, message=skipped_sentence([s], step))
+            except OSError:  # the log has it; a full disk must not end the run
+                logging.exception("[PipeTrainer] could not write the skipped previews into %s", self.run_dir)
+        with self._render_lock:
+            self._render(step, str(newest["path"]), skip_line)
+
+    def _render(self, step: int, lora_path: str, skip_line: str = "") -> None:
+        self._set_status(f"rendering previews of step {step}", skip_line)
         folder = self.run_dir / PREVIEWS_DIR
         try:
+            self._stop_if_asked()
             images, files = self._images(step, lora_path, folder)
-            self.latest, self.latest_step, self.latest_files = images, step, files
-            self.status = f"previews: step {step} ({len(files)} image{'s' if len(files) != 1 else ''} in {folder})"
+            self._shown = (step, images, files)
+            count = f"{len(files)} image{'s' if len(files) != 1 else ''}"
+            self._set_status(f"previews: step {step} ({count} in {folder})", skip_line)
+            self._log(f"step {step} rendered: {', '.join(f.name for f in files)}")
             EventWriter(self.run_dir, source="node").emit("preview", step=step, files=[str(f) for f in files])
             self._to_tensorboard(step, images)
-        except comfy.model_management.InterruptProcessingException:
+        except (comfy.model_management.InterruptProcessingException, _Abandoned):
             raise
         except Exception as exc:  # noqa: BLE001 - a preview never ends a run
-            self._report(step, exc, f"preview of step {step} failed")
+            self._report(step, exc, f"preview of step {step} failed", skip_line)
             return
         finally:  # the training ranks may share the GPU: give ComfyUI's memory back
             comfy.model_management.unload_all_models()
             comfy.model_management.soft_empty_cache()
-        self._on_shown()
+        self._tell("shown")
 
     def _images(self, step: int, lora_path: str, folder: Path) -> tuple[list[Image.Image], list[Path]]:
         images, files = [], []
         with self._weights(), torch.inference_mode():  # inference mode: as ComfyUI runs every node
+            self._stop_if_asked()  # the reload may take a while
             model = with_lora(self.model, lora_path)
             for index, positive in enumerate(self._conds):
-                comfy.model_management.throw_exception_if_processing_interrupted()
+                self._stop_if_asked()
                 frames = render(model, positive, self._negative, self.settings)
                 files.append(save_preview(frames, folder, step, index))
                 images.append(to_pil(frames[0]))
         return images, files
 
+    def _set_status(self, line: str, extra: str = "") -> None:
+        self.status = "\n".join(t for t in (line, extra) if t)
+        self._tell("status")
+
     # ---- reporting --------------------------------------------------------------------------------
-    def _report(self, step: int | None, exc: BaseException, what: str) -> None:
+    def _report(self, step: int | None, exc: BaseException, what: str, extra: str = "") -> None:
         message = f"{what} ({type(exc).__name__}: {exc}); training goes on"
         trace = traceback.format_exc()
-        self.status = f"warning: {message}; see {self.run_dir / 'logs' / 'previews.log'}"
         self.failures.append({"step": step, "message": message})
         logging.warning("[PipeTrainer] %s\n%s", message, trace)
         try:
@@ -225,7 +423,7 @@ class PreviewRunner:
         except OSError:  # the console has it; a full disk must not end the run either
             logging.exception("[PipeTrainer] could not write the preview failure into %s", self.run_dir)
         self._log(f"{message}\n{trace}")
-        self._show(self.status)
+        self._set_status(f"warning: {message}; see {self.run_dir / 'logs' / 'previews.log'}", extra)
 
     def _log(self, text: str) -> None:
         """Append to ``logs/previews.log`` (on a write error, to ComfyUI's console only)."""

@@ -79,8 +79,9 @@ def follow(handle: RunHandle, on_event: Callable[[dict], None], interrupted: Cal
            on_idle: Callable[[], None] | None = None, on_stop: Callable[[str], None] | None = None) -> int:
     """Forward events until the supervisor exits; on interrupt, stop the run and return its code.
 
-    ``on_idle`` runs between polls while the run goes on (the Train node renders previews there: the
-    training processes never wait for it).
+    ``on_idle`` runs between polls while the run goes on (the Train node shows there what its preview
+    worker rendered or skipped; the training processes never wait for previews). It must return quickly:
+    events are forwarded only between its calls.
 
     Exceptions raised by ``on_event`` or ``on_idle`` (ComfyUI's progress hook raises on Cancel) also stop
     the run.
