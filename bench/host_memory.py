@@ -217,9 +217,13 @@ def native_seconds_per_step(model_name: str, cache, vae, clip, steps: int) -> st
         node = native.TrainLoraNode
         ticks: list[float] = []  # the trainer reports each step through ComfyUI's progress bar
         comfy.utils.set_progress_bar_global_hook(lambda *_args, **_kwargs: ticks.append(time.monotonic()))
-        kwargs = dict(batch_size=1, grad_accumulation_steps=1, steps=1 + steps, learning_rate=1e-4, rank=RANK,
-                      optimizer="AdamW", loss_function="MSE", seed=0, training_dtype="bf16", lora_dtype="bf16",
-                      algorithm="LoRA", gradient_checkpointing=True, existing_lora="[None]")
+        ours = dict(batch_size=1, grad_accumulation_steps=1, steps=1 + steps, learning_rate=1e-4, rank=RANK,
+                    optimizer="AdamW", loss_function="MSE", seed=0, training_dtype="bf16", lora_dtype="bf16",
+                    algorithm="LoRA", gradient_checkpointing=True, existing_lora="[None]")
+        # the host's other inputs at their defaults (newer ComfyUI adds offloading, buckets, ...)
+        defaults = {i.id: i.default for i in node.define_schema().inputs if getattr(i, "default", None) is not None}
+        kwargs = {**defaults, **ours}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "latents", "positive")}
         # one latent dict per image: 0.3.75's trainer fails on a single batched dict (unset multi_res)
         node.execute([model], [{"samples": x[None]} for x in latents], [positive],
                      **{k: [v] for k, v in kwargs.items()})
