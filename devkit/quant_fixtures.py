@@ -10,6 +10,11 @@ formats follow the architecture, not a key-name guess. Formats:
   weight = fp8(W / scale);
 - ``per_layer``: ComfyUI's mixed-precision format: fp8 weight + ``weight_scale`` per layer and
   ``_quantization_metadata`` in the header naming each layer's format;
+- ``write_comfy_quant``: the same per-layer format in the formats ComfyUI added in 2026
+  (``int8_tensorwise``, ``convrot_w4a4``, ``nvfp4``, ``mxfp8``), each weight quantized by ComfyUI's own
+  layout class (comfy_kitchen's ``QuantizedTensor.from_float``) and written with the tensor's own
+  ``state_dict`` (the weight and the scale keys of ``QUANT_ALGOS[format]["parameters"]``), as ComfyUI
+  saves such a layer; only on a ComfyUI that has the format (current, not 0.3.75);
 - ``gguf``: a GGUF file (ComfyUI-GGUF's layout) written with the ``gguf`` package, Linear weights
   in one GGML quantization type, the rest F32.
 - ``checkpoint``: an all-in-one file (``model.diffusion_model.`` + text encoder + VAE prefixes).
@@ -80,6 +85,38 @@ def write_per_layer(source: Path, target: Path) -> Path:
             layer = k[: -len(".weight")]
             out[k], out[f"{layer}.weight_scale"] = _scaled(v, torch.float8_e4m3fn)
             layers[layer] = {"format": "float8_e4m3fn"}
+        else:
+            out[k] = v
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    return _save(out, target, meta)
+
+
+def write_comfy_quant(source: Path, target: Path, fmt: str,
+                      keep: tuple[str, ...] = ("x_embedder.", "y_embedder.", "t_embedder.", "context_embedder.")) -> Path:
+    """ComfyUI's per-layer format with every Linear weight in ``fmt`` (a key of ``comfy.quant_ops.QUANT_ALGOS``).
+
+    Each weight is quantized by the layout class ComfyUI registers for ``fmt`` (default options: e.g.
+    ``convrot_w4a4``'s Hadamard group 256 and int4 groups of 64, ``nvfp4``'s per-tensor + fp8 block
+    scales) and serialised by ``QuantizedTensor.state_dict``, the call ComfyUI's own ``state_dict`` of a
+    quantized Linear makes; the layer's format goes to ``_quantization_metadata`` in the header.
+
+    The input embedders (keys starting with ``keep``) stay full precision, as ComfyUI's converters keep
+    them: its model detection reads their in-features from the stored shape, which the 4-bit formats
+    pack to half.
+    """
+    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+
+    if fmt not in QUANT_ALGOS:
+        raise ValueError(f"This ComfyUI has no {fmt!r} in comfy.quant_ops.QUANT_ALGOS (it has {sorted(QUANT_ALGOS)}).")
+    layout = QUANT_ALGOS[fmt]["comfy_tensor_layout"]
+    keys = {k for k in linear_weight_keys(source) if not k.startswith(keep)}
+    out: dict[str, torch.Tensor] = {}
+    layers = {}
+    for k, v in _state(source).items():
+        if k in keys:
+            layer = k[: -len(".weight")]
+            out.update(QuantizedTensor.from_float(v.float(), layout).state_dict(k))
+            layers[layer] = {"format": fmt}
         else:
             out[k] = v
     meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}

@@ -1,4 +1,5 @@
-"""Training on the quantized files users keep: fp8, legacy scaled fp8 and ComfyUI's per-layer format.
+"""Training on the quantized files users keep: fp8, legacy scaled fp8 and ComfyUI's per-layer format
+(fp8, and on current ComfyUI its 2026 formats int8_tensorwise, nvfp4 and mxfp8; convrot_w4a4 is refused).
 
 Each format is written in the test from the tiny MMDiT (devkit/quant_fixtures.py quantizes its Linear
 weights only, like the real converters). Fast tier, in this process: ComfyUI's loader, replayed by the
@@ -53,17 +54,42 @@ class Format:
     # with a recalculated scale), the trainer adds the fp32 LoRA branch to the fp8 layer's output: the bound
     # is set by fp8's ulp, like test_precision.py's fp8 cases (~3x the measured values in the comments).
     tolerance: float
+    requires: str | None = None  # the comfy.quant_ops.QUANT_ALGOS format this row needs (None: any host)
+
+
+def _comfy_quant(fmt: str):
+    return lambda s, t: quant_fixtures.write_comfy_quant(s, t, fmt)
+
+
+def missing_on_host(name: str) -> str | None:
+    """Why this ComfyUI cannot load the format of row ``name`` (None: it can)."""
+    import comfy.quant_ops
+
+    fmt = FORMATS[name].requires
+    if fmt is None or fmt in comfy.quant_ops.QUANT_ALGOS:
+        return None
+    return f"this ComfyUI's comfy.quant_ops.QUANT_ALGOS has no {fmt!r} (ComfyUI's 2026 per-layer formats)"
 
 
 # Measured with random B ~ N(0, 0.5), ComfyUI 0.3.75 / current: e4m3fn 1.9e-2 / 1.9e-2, e5m2 3.5e-2 / 3.1e-2,
 # scaled fp8 3.1e-2 / 1.7e-2 (0.3.75: scaled_fp8_ops; current: converted to the per-layer format),
 # per-layer 1.5e-2 / 1.7e-2; the LoRA moves the output by ~0.25 of its scale in every case.
+# ComfyUI's 2026 per-layer formats (current ComfyUI only; written by its own layout classes, embedders kept in
+# full precision). On the CPU ComfyUI runs int8_tensorwise with comfy_kitchen's eager int8 kernel and emulates
+# nvfp4 / mxfp8 (dequantize, full-precision matmul; native only on devices with those kernels). Measured:
+# int8_tensorwise 1.4e-2, nvfp4 5.6e-2 (4-bit: ComfyUI requantizes W + s*B@A to nvfp4; bound ~1.8x, since the
+# LoRA's effect 0.23 must stay above twice it), mxfp8 1.9e-2. convrot_w4a4 is refused
+# (training/quant/formats.py quant_format_problem; test_convrot_w4a4_and_unknown_formats_are_refused).
 FORMATS = {
     "fp8_e4m3fn": Format(WeightFormat.FP8, quant_fixtures.write_fp8, torch.float8_e4m3fn, 5e-2),
     "fp8_e5m2": Format(WeightFormat.FP8, lambda s, t: quant_fixtures.write_fp8(s, t, torch.float8_e5m2),
                        torch.float8_e5m2, 1e-1),
     "scaled_fp8": Format(WeightFormat.SCALED_FP8, quant_fixtures.write_scaled_fp8, torch.float8_e4m3fn, 8e-2),
     "per_layer": Format(WeightFormat.PER_LAYER, quant_fixtures.write_per_layer, torch.float8_e4m3fn, 5e-2),
+    "int8_tensorwise": Format(WeightFormat.PER_LAYER, _comfy_quant("int8_tensorwise"), torch.int8, 4e-2,
+                              "int8_tensorwise"),
+    "nvfp4": Format(WeightFormat.PER_LAYER, _comfy_quant("nvfp4"), torch.uint8, 1e-1, "nvfp4"),
+    "mxfp8": Format(WeightFormat.PER_LAYER, _comfy_quant("mxfp8"), torch.float8_e4m3fn, 5e-2, "mxfp8"),
 }
 
 
@@ -71,7 +97,17 @@ FORMATS = {
 def quantized(fixture_paths, tmp_path_factory):
     """``name -> path`` of the tiny MMDiT written in each format (built once per module)."""
     folder = tmp_path_factory.mktemp("quantized")
-    return {name: f.write(fixture_paths.mmdit, folder / f"mmdit-{name}.safetensors") for name, f in FORMATS.items()}
+    return {name: f.write(fixture_paths.mmdit, folder / f"mmdit-{name}.safetensors") for name, f in FORMATS.items()
+            if missing_on_host(name) is None}
+
+
+@pytest.fixture
+def on_host(request, comfy_root):
+    """Skips a row whose format this ComfyUI lacks, naming the missing piece."""
+    name = request.node.callspec.params["name"]
+    reason = missing_on_host(name)
+    if reason:
+        pytest.skip(f"{name}: {reason}")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -110,14 +146,15 @@ def trainer_vs_comfyui(path: Path, lora: LoraSpec, tensors: dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_file_format_is_read_from_the_header(quantized, fixture_paths, name):
+def test_file_format_is_read_from_the_header(on_host, quantized, fixture_paths, name):
     fmt, fp8 = file_weight_format(str(quantized[name]))
-    assert fmt is FORMATS[name].fmt and fp8 == FORMATS[name].stored
+    stored = FORMATS[name].stored
+    assert fmt is FORMATS[name].fmt and fp8 == (stored if stored.is_floating_point else None)
     assert file_weight_format(str(fixture_paths.mmdit)) == (WeightFormat.PLAIN, None)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_replayed_base_keeps_the_files_quantized_bytes(quantized, name):
+def test_replayed_base_keeps_the_files_quantized_bytes(on_host, quantized, name):
     """Every Linear weight stays in the file's fp8 bytes (never dequantized to bf16 as a whole)."""
     patcher = _load(quantized[name])
     _, _, stage = with_lora(patcher, LORA)
@@ -143,7 +180,7 @@ def test_replayed_base_keeps_the_files_quantized_bytes(quantized, name):
 
 
 @pytest.mark.parametrize("name", [n if n != "fp8_e5m2" else pytest.param(n, marks=pytest.mark.slow) for n in FORMATS])
-def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(quantized, name):
+def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(on_host, quantized, name):
     patcher = _load(quantized[name])
     adapter, layers, stage = with_lora(patcher, LORA)
     params = freeze_all_but_lora(stage)
@@ -160,7 +197,7 @@ def test_lora_trains_on_the_quantized_base_and_leaves_it_untouched(quantized, na
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_comfyui_applied_lora_reproduces_the_trainer_forward(quantized, fixture_paths, name):
+def test_comfyui_applied_lora_reproduces_the_trainer_forward(on_host, quantized, fixture_paths, name):
     diff, effect, tensors = trainer_vs_comfyui(quantized[name], LORA, None, random_batch(1))
     tolerance = FORMATS[name].tolerance
     assert diff <= tolerance, (diff, tolerance)
@@ -256,3 +293,32 @@ def test_gguf_without_comfyui_gguf_says_where_to_get_it(tmp_path):
     recipe = ModelRecipe("gguf", str(tmp_path / "model.gguf"), extension_path=str(tmp_path / "ComfyUI-GGUF"))
     with pytest.raises(FileNotFoundError, match=r"ComfyUI-GGUF was not found.*github.com/city96/ComfyUI-GGUF"):
         load_model(recipe, "bf16")
+
+
+def test_convrot_w4a4_and_unknown_formats_are_refused(quantized, tmp_path, comfy_root):
+    """convrot_w4a4 is refused with its reason where ComfyUI has it; a format this ComfyUI lacks (all four
+    2026 formats on 0.3.75) is refused naming what it has; by preflight and by the training process's loader."""
+    import json
+
+    import comfy.quant_ops
+    from pipetrainer.nodes.checks.preflight import quant_format_problems
+    from pipetrainer.training.quant.formats import quant_format_problem
+    from safetensors.torch import save_file
+
+    convrot = tmp_path / "convrot.safetensors"  # the header is all the check reads
+    layers = {"joint_blocks.0.x_block.mlp.fc1": {"format": "convrot_w4a4"}}
+    save_file({"joint_blocks.0.x_block.mlp.fc1.weight": torch.zeros(4, 2, dtype=torch.int8)}, str(convrot),
+              metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})})
+    refused = quant_format_problem(str(convrot), known={"convrot_w4a4", "float8_e4m3fn"})
+    assert "quantized as convrot_w4a4, which cannot be trained on" in refused and "no backward" in refused
+    unknown = quant_format_problem(str(convrot), known={"float8_e4m3fn"})
+    assert "convrot_w4a4, which this ComfyUI cannot load" in unknown and "QUANT_ALGOS has float8_e4m3fn" in unknown
+    here = quant_format_problem(str(convrot))
+    assert here == (refused if "convrot_w4a4" in comfy.quant_ops.QUANT_ALGOS
+                    else quant_format_problem(str(convrot), known=set(comfy.quant_ops.QUANT_ALGOS)))
+    assert quant_format_problems("diffusion_model", str(convrot)) == [here]
+    assert quant_format_problems("gguf", str(convrot)) == []
+    with pytest.raises(ValueError) as raised:
+        _load(convrot)
+    assert str(raised.value) == here
+    assert all(quant_format_problem(str(path)) is None for path in quantized.values())

@@ -26,7 +26,8 @@ from ...training.data.captions import CaptionOptions
 from ...training.offload.stages import blocks_to_swap_problem, uniform_boundaries
 from ...training.pipelines import checks as family_checks
 from ...training.pipelines.checks import CachedShapes, ModelInputs, cache_vs_model_problems
-from ...training.quant.stacking import recipe_base_kind, stacked_lora_problem
+from ...training.quant.formats import quant_format_problem
+from ...training.quant.stacking import CHECKPOINT_PREFIX, recipe_base_kind, stacked_lora_problem
 from ...training.spec.options import CacheItem, LoraSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -265,6 +266,15 @@ def stacked_lora_problems(loader: str, path: str, stacked: int) -> list[str]:
     return [problem] if problem else []
 
 
+def quant_format_problems(loader: str, path: str) -> list[str]:
+    """A per-layer-quantized file in a format this ComfyUI cannot load or PipeTrainer cannot train
+    (training/quant/formats.py): say so now, not from inside the training process."""
+    if loader not in ("diffusion_model", "checkpoint"):
+        return []
+    problem = quant_format_problem(path, CHECKPOINT_PREFIX if loader == "checkpoint" else "")
+    return [problem] if problem else []
+
+
 # ---- block swap --------------------------------------------------------------------------------
 def blocks_to_swap_problems(blocks_to_swap: int, layer_is_block: Sequence[bool], stages: int, method: str) -> list[str]:
     """``blocks_to_swap`` (per stage) must not exceed the swappable blocks of the smallest stage.
@@ -448,6 +458,7 @@ def train_problems(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, trai
     if recipe is not None:  # without one, the Train node already says which loader to use
         problems += model_file_problems(recipe.path, recipe.fingerprint, recipe.loras)
         problems += stacked_lora_problems(recipe.loader, recipe.path, len(recipe.loras) + stacked_levels(model))
+        problems += quant_format_problems(recipe.loader, recipe.path)
     inputs = model_inputs(model)
     unsupported = model_support_problems(model)
     problems += unsupported

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..quant.formats import WeightFormat, file_weight_format
+from ..quant.formats import WeightFormat, file_weight_format, quant_format_problem
 from ..quant.guards import force_full_precision_matmul, match_fixed_compute_dtypes
 from ..quant.stacking import CHECKPOINT_PREFIX, recipe_base_kind, stacked_lora_problem
 from ..spec.options import ModelRecipe
@@ -94,6 +94,10 @@ def load_model(recipe: ModelRecipe, compute_dtype: str = "fp32", deferred: Defer
         raise ValueError(f"Unknown model loader {recipe.loader!r} in the run spec (known: {', '.join(_LOADERS)}).")
     if recipe.loras:  # the Train node's preflight refuses these first; a hand-written spec lands here
         problem = stacked_lora_problem(recipe_base_kind(recipe.loader, recipe.path), len(recipe.loras))
+        if problem:
+            raise ValueError(problem)
+    if recipe.loader in ("diffusion_model", "checkpoint"):  # the Train node's preflight says it first
+        problem = quant_format_problem(recipe.path, CHECKPOINT_PREFIX if recipe.loader == "checkpoint" else "")
         if problem:
             raise ValueError(problem)
     load = _LOADERS[recipe.loader]

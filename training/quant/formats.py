@@ -47,3 +47,60 @@ def file_weight_format(path: str, prefix: str = "") -> tuple[WeightFormat, torch
     if fp8 is not None:
         return WeightFormat.FP8, fp8
     return WeightFormat.PLAIN, None
+
+
+# Per-layer formats ComfyUI loads but PipeTrainer does not train on, with the reason (measured on the CPU).
+NOT_TRAINABLE = {
+    "convrot_w4a4": (
+        "ComfyUI's ConvRot W4A4 Linear has no backward to its input (comfy_kitchen's W4A4 GEMM takes only the "
+        "transposed weight, so the gradient to earlier layers and their LoRAs cannot pass), and with its 4-bit "
+        "activations ComfyUI's applied LoRA differs from a LoRA trained on the dequantized weights by about as "
+        "much as the LoRA itself"
+    ),
+}
+
+
+def per_layer_formats(path: str, prefix: str = "") -> set[str]:
+    """The per-layer quantization formats named in a safetensors file (header metadata or ``comfy_quant`` keys)."""
+    import json
+
+    from safetensors import safe_open
+
+    formats: set[str] = set()
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        if "_quantization_metadata" in metadata:
+            layers = json.loads(metadata["_quantization_metadata"]).get("layers", {})
+            formats |= {conf.get("format") for name, conf in layers.items() if name.startswith(prefix)}
+        for key in f.keys():
+            if key.startswith(prefix) and key.endswith(".comfy_quant"):
+                formats.add(json.loads(bytes(f.get_tensor(key).tolist()).decode("utf-8")).get("format"))
+    return {fmt for fmt in formats if fmt}
+
+
+def quant_format_problem(path: str, prefix: str = "", known: set[str] | None = None) -> str | None:
+    """Why the per-layer formats of this file cannot be trained on here, with the fix; or None.
+
+    ``known``: the formats this ComfyUI loads (default: ``comfy.quant_ops.QUANT_ALGOS``; ComfyUI 0.3.75 has
+    only ``float8_e4m3fn``). A file that cannot be read is left to the model-file checks.
+    """
+    try:
+        formats = per_layer_formats(path, prefix)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    if not formats:
+        return None
+    if known is None:
+        import comfy.quant_ops
+
+        known = set(comfy.quant_ops.QUANT_ALGOS)
+    missing = sorted(formats - set(known))
+    if missing:
+        return (f"The model file uses the per-layer quantization format(s) {', '.join(missing)}, which this ComfyUI "
+                f"cannot load (its comfy.quant_ops.QUANT_ALGOS has {', '.join(sorted(known))}). Fix: update ComfyUI "
+                "(these formats came in 2026), or train on a full-precision or fp8 file of the model.")
+    refused = sorted(formats & NOT_TRAINABLE.keys())
+    if refused:
+        return "; ".join(f"The model file is quantized as {fmt}, which cannot be trained on: {NOT_TRAINABLE[fmt]}"
+                         for fmt in refused) + ". Fix: train on the model's bf16, fp8 or int8_tensorwise file."
+    return None
