@@ -3,8 +3,8 @@
 This process plays ComfyUI: it loads a real-layout Flux (hidden 3072, 24 heads; ``--double-blocks`` +
 ``--single-blocks``, default 2 + 3 = 1.15 B parameters, seeded random bf16 weights, built on the first
 run) with the stock path of ``Load Diffusion Model (PipeTrainer)``, caches the demo dataset, and runs
-the Train LoRA node's own ``execute`` (1 and 2 pipeline stages, ``training_dtype`` bf16: the file's
-dtype, so ranks can share its pages). A sampler thread reads the proportional set size (PSS, from
+the Train LoRA node's own ``execute`` (1 and 2 pipeline stages, ``training_dtype`` bf16, the file's
+dtype). A sampler thread reads the proportional set size (PSS, from
 ``/proc/<pid>/smaps_rollup``: shared file pages are split between the processes that map them, so the
 sum is what the machine holds) of this process and every descendant (the supervisor and its ranks) four
 times a second. Printed per run: the file size; ComfyUI's PSS after its loader ran and its peak while the

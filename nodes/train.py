@@ -328,7 +328,7 @@ class PipeTrainerTrain(io.ComfyNode):
         show_progress()
         held.release()  # ComfyUI's own copy of the model is idle while the ranks train
         try:
-            handle = run_process.launch(spec, WARM_POOL, notes=[*notes, held.note()])
+            handle = run_process.launch(spec, WARM_POOL, notes=[*notes, *held.notes()])
             runner.start()  # previews render in their own thread: progress goes on while one renders
             try:
                 code = run_process.follow(handle, on_event, comfy.model_management.processing_interrupted,

@@ -37,6 +37,7 @@ def test_released_weights_hold_nothing_and_come_back_bit_identical_in_every_clon
     before = _snapshot(model)
     clone = model.clone()  # what a stock node downstream holds
     held = HeldWeights(model, str(fixture_paths.mmdit), file_fingerprint(fixture_paths.mmdit))
+    assert held.notes() == []  # released: nothing to say in the run log
     modules = dict(model.model.diffusion_model.named_modules())
 
     freed = held.release()
@@ -86,7 +87,8 @@ def test_a_model_without_a_reload_factory_keeps_its_weights_and_says_so(fixture_
     plain.cached_patcher_init = None  # current ComfyUI records one for its core loaders
     held = HeldWeights(plain)
     assert held.release() == 0 and resident_bytes(plain.model.diffusion_model) > 0
-    assert "keeps its copy" in held.note()
+    [note] = held.notes()
+    assert "keeps its copy" in note
 
 
 @pytest.mark.slow

@@ -67,13 +67,13 @@ class HeldWeights:
     def released(self) -> bool:
         return bool(self._released)
 
-    def note(self) -> str:
-        """What the run log says about ComfyUI's copy of the model."""
-        if self.factory is None:
-            return ("ComfyUI keeps its copy of the model in memory while training runs: its loader records no "
-                    "way to load it again (use a PipeTrainer loader node to free that memory).")
-        return ("ComfyUI's copy of the model is released while training runs and reloaded from its file for "
-                "previews and after the run.")
+    def notes(self) -> list[str]:
+        """What the run log says about ComfyUI's copy of the model: nothing when it is released (the usual
+        case, in the README), a note when it stays in memory."""
+        if self.factory is not None:
+            return []
+        return ["ComfyUI keeps its copy of the model in memory while training runs: its loader records no way to "
+                "load it again (use a PipeTrainer loader node to free that memory)."]
 
     def release(self) -> int:
         """Turn the weights into meta tensors; return the bytes released (0 without a reload factory).

@@ -8,12 +8,6 @@ is about to load and keeps it aside (:class:`DeferredWeights`). The model comes 
 parameters allocated but never written, which on Linux costs address space, not memory; safetensors
 tensors are memory-mapped, so the file costs nothing until read.
 
-Where a weight's dtype and shape are those the file holds (a bf16 file trained in bf16, an fp8 file
-kept fp8), the parameter *is* backed by the file's memory-mapped storage (its ``.data`` is the file's
-tensor: the parameter object stays the one stage layers hold) rather than a private copy of it: every rank that maps the file, and the page cache itself, share those pages,
-so N ranks of one machine hold the file's bytes once (bench/host_memory.py). The mapping is private
-(copy-on-write): merging a stacked LoRA into such a weight writes a private page, never the file.
-
 Once the pipeline split is known, :meth:`DeferredWeights.load` hands ComfyUI's own
 ``diffusion_model.load_state_dict`` the entries this stage needs (everything except what belongs to the
 other stages' layers), so ComfyUI's operations load them exactly as they would have, and
@@ -83,56 +77,11 @@ class DeferredWeights:
             return []
         skip = tuple(skip)
         wanted = {k: v for k, v in self.tensors.items() if not _under(k, skip)}
-        shared = {} if _has_load_hooks(diffusion_model) else {
-            k: v for k, v in wanted.items() if _takes_as_is(diffusion_model, k, v)}
-        _, unexpected = diffusion_model.load_state_dict({k: v for k, v in wanted.items() if k not in shared},
-                                                        strict=False)
-        with torch.no_grad():  # the same tensor objects (stage layers may hold them), the file's storage
-            for key, tensor in shared.items():
-                _tensor_at(diffusion_model, key).data = tensor
+        missing, unexpected = diffusion_model.load_state_dict(wanted, strict=False)
         if unexpected:
             raise RuntimeError(f"The model file has weights the model does not take: {unexpected[:5]}")
         self.tensors.clear()  # drop the file mapping's references: what was not read is never paged in
         return sorted(wanted)
-
-
-# Loaders whose ``_load_from_state_dict`` only copies the values in, as torch's own does (ComfyUI's
-# plain Linear / Embedding, ``comfy.ops.disable_weight_init``, defer to it): for their weights, pointing
-# the tensor at the file's storage loads the same values. Any other loader (ComfyUI's per-layer
-# quantized ops, custom layers) gets the ordinary copying load.
-_ASSIGNING_LOADERS = frozenset({
-    "Module._load_from_state_dict",
-    "disable_weight_init.Linear._load_from_state_dict",
-    "disable_weight_init.Embedding._load_from_state_dict",
-})
-
-
-def _tensor_at(model: nn.Module, key: str) -> torch.Tensor | None:
-    owner_path, _, name = key.rpartition(".")
-    try:
-        owner = model.get_submodule(owner_path)
-    except AttributeError:
-        return None
-    return owner._parameters.get(name, owner._buffers.get(name))
-
-
-def _has_load_hooks(model: nn.Module) -> bool:
-    """Whether a module registered its own state-dict loading hooks (then every weight loads through them)."""
-    return any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules())
-
-
-def _takes_as_is(model: nn.Module, key: str, tensor: torch.Tensor) -> bool:
-    """Whether the weight at ``key`` can be the file's tensor itself: a plain CPU parameter or buffer of
-    the same dtype and shape, in a module that loads the way torch does. Anything else is copied (a
-    dtype change, a quantized subclass, a custom loader)."""
-    current = _tensor_at(model, key)
-    if current is None:
-        return False
-    owner = model.get_submodule(key.rpartition(".")[0])
-    loader = getattr(type(owner)._load_from_state_dict, "__qualname__", "")
-    return (type(current) in (nn.Parameter, torch.Tensor) and type(tensor) is torch.Tensor
-            and current.dtype == tensor.dtype and current.shape == tensor.shape
-            and current.device.type == "cpu" and tensor.device.type == "cpu" and loader in _ASSIGNING_LOADERS)
 
 
 def release_modules(diffusion_model: nn.Module, paths: Iterable[str]) -> int:
