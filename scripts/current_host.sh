@@ -65,7 +65,10 @@ stamp=$venv/.pipetrainer-lock
 want=$(cat requirements-current.lock scripts/torchaudio_stub.py | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "current host: installing requirements-current.lock into $venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements-current.lock
+  # once more after a pause: a registry hiccup should not cost a CI run
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements-current.lock \
+    || { echo "pip install failed; retrying once in 20 s"; sleep 20;
+         "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements-current.lock; }
   purelib=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   mkdir -p "$purelib/torchaudio"
   cp scripts/torchaudio_stub.py "$purelib/torchaudio/__init__.py"

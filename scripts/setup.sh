@@ -11,7 +11,10 @@ fi
 stamp=.venv/.pipetrainer-lock
 want=$(sha256sum requirements-dev.lock | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.lock
+  # once more after a pause: a registry hiccup should not cost a CI run
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.lock \
+    || { echo "pip install failed; retrying once in 20 s" >&2; sleep 20;
+         .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.lock; }
   echo "$want" > "$stamp"
 fi
 .venv/bin/python scripts/pt.py fixtures ${PIPETRAINER_FLUX:+--flux}

@@ -35,27 +35,49 @@ run_pytest() {  # label python comfyui-root pytest-args...
   esac
 }
 
-compat_ready=0
+# Both hosts are set up side by side (downloads and fixture builds overlap); each one's output is printed whole
+# once it is done, and a failed set-up's last lines are repeated in the summary, where a CI log's tail shows them.
+logs=$(mktemp -d)
+setup_started=$SECONDS
 if [[ $hosts == *" 0.3.75 "* ]]; then
-  start=$SECONDS
-  if env -u COMFYUI_PATH PIPETRAINER_FLUX=1 bash scripts/setup.sh; then
+  ( rc=0; env -u COMFYUI_PATH PIPETRAINER_FLUX=1 bash scripts/setup.sh >"$logs/0.3.75.log" 2>&1 || rc=$?
+    echo "$rc $((SECONDS - setup_started))" >"$logs/0.3.75.rc" ) &
+fi
+if [[ $hosts == *" current "* ]]; then
+  ( rc=0; PIPETRAINER_FLUX=1 bash scripts/current_host.sh >"$logs/current.out" 2>"$logs/current.log" || rc=$?
+    echo "$rc $((SECONDS - setup_started))" >"$logs/current.rc" ) &
+fi
+wait
+
+setup_failed() {  # label log
+  failed=1
+  summary+=("$1: set-up FAILED; its last lines:")
+  while IFS= read -r line; do summary+=("    $line"); done < <(grep -v "^WARNING: Location" "$2" | tail -n 25)
+}
+
+compat_ready=0
+if [ -f "$logs/0.3.75.rc" ]; then
+  echo "=== set-up of ComfyUI 0.3.75 (scripts/setup.sh) ==="
+  grep -v "^WARNING: Location" "$logs/0.3.75.log" || true
+  read -r rc took <"$logs/0.3.75.rc"
+  if [ "$rc" = 0 ]; then
     compat_ready=1
-    summary+=("ComfyUI 0.3.75: set up ($((SECONDS - start)) s)")
+    summary+=("ComfyUI 0.3.75: set up ($took s)")
   else
-    failed=1
-    summary+=("ComfyUI 0.3.75: set-up FAILED (see above)")
+    setup_failed "ComfyUI 0.3.75 (exit code $rc)" "$logs/0.3.75.log"
   fi
 fi
 
 current_root=
-if [[ $hosts == *" current "* ]]; then
-  start=$SECONDS
-  rc=0
-  out=$(PIPETRAINER_FLUX=1 bash scripts/current_host.sh) || rc=$?
+if [ -f "$logs/current.rc" ]; then
+  echo "=== set-up of the current ComfyUI (scripts/current_host.sh) ==="
+  grep -v "^WARNING: Location" "$logs/current.log" || true
+  read -r rc took <"$logs/current.rc"
+  out=$(cat "$logs/current.out")
   case $rc in
-    0) current_root=$out; summary+=("ComfyUI current: set up ($((SECONDS - start)) s)") ;;
+    0) current_root=$out; summary+=("ComfyUI current: set up ($took s)") ;;
     3) summary+=("ComfyUI current: tier SKIPPED: $out") ;;
-    *) failed=1; summary+=("ComfyUI current: set-up FAILED with exit code $rc (see above)") ;;
+    *) setup_failed "ComfyUI current (exit code $rc)" "$logs/current.log" ;;
   esac
 fi
 

@@ -4,7 +4,7 @@ relatives that are refused by name, and the registry taking only ComfyUI's plain
 ComfyUI's detection pins SD 1.5 and SD 2.1 at 0.86 B parameters, so the real layouts are built on the meta device
 (shapes only) and fed to ComfyUI's own detection; everything numeric runs on the tiny rows of
 tests/family_rows/sd1_sd2.py, built with ComfyUI's SD15 / SD20 config classes. The stage layers across stage
-boundaries (1 vs 2 stages on gloo ranks) are in tests/test_unet.py.
+boundaries (1 vs 2 stages on gloo ranks) are in tests/test_stage_split.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SDXL beyond the generic family table: detection of the real layout, the loss targets, the size/crop vector and
 the relatives that are refused. What crosses stage boundaries (the UNet's skip stack, shared with SD 1.x / 2.x)
-is in tests/test_unet.py.
+is in tests/test_stage_split.py.
 
 ComfyUI's detection pins SDXL at 2.57 B parameters, so the real layout is built on the meta device (shapes
 only, no memory) and fed to ComfyUI's own detection; everything numeric runs on the tiny rows of

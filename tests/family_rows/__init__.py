@@ -48,6 +48,10 @@ class Row:
     model_path: Callable[[Path, Any], Path] | None = None
     extras: Callable[[Any, torch.Tensor, torch.Generator], dict[str, torch.Tensor]] = _no_extras
     id: str = ""  # test id when a family has several rows (defaults to the family)
+    # How an in-memory row's 2-stage training compares with 1 stage (tests/test_stage_split.py): "bitwise";
+    # "alike" where a tensor's gradient is summed from both sides of a cut (the UNet's skips: fp32 rounding);
+    # "as <row id>" where another row has the same stage layout (its split says it all).
+    stage_split: str = "bitwise"
 
     @property
     def name(self) -> str:
@@ -60,6 +64,10 @@ def all_rows() -> list[Row]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         rows.extend(importlib.import_module(f"{__name__}.{info.name}").ROWS)
     names = [row.name for row in rows]
+    bad_split = [row.name for row in rows if row.stage_split not in ("bitwise", "alike")
+                 and row.stage_split.removeprefix("as ") not in names]
+    if bad_split:
+        raise ValueError(f"rows {bad_split}: stage_split is 'bitwise', 'alike' or 'as <another row id>'")
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         raise ValueError(f"family rows share a name: {duplicated}; give them distinct ids")

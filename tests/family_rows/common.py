@@ -93,3 +93,13 @@ def cache_items(row, model, folder: Path, count: int = 2) -> list:
         save_file(entries["text"], str(text))
         items.append(CacheItem(str(latent), str(text), f"item{i}.png", f"caption {i}"))
     return items
+
+
+def require_model_class(name: str, added: str = "after ComfyUI 0.3.75") -> None:
+    """Skip the calling test when this ComfyUI has no ``comfy.model_base.<name>`` (a family the host lacks),
+    naming the missing class, as the suite does for every family newer than a host."""
+    import comfy.model_base
+    import pytest
+
+    if not hasattr(comfy.model_base, name):
+        pytest.skip(f"this ComfyUI has no comfy.model_base.{name} (added {added})")

@@ -49,13 +49,14 @@ def sd2_small(v_pred: bool, seed: int = 79, unet: dict | None = None, config_cla
                       config_class=config_class or comfy.supported_models.SD20)
 
 
-def _row(row_id: str, load) -> Row:
+def _row(row_id: str, load, stage_split: str) -> Row:
     return Row("SD1/SD2", "ComfyUI's SD15 / SD20 config class, model_channels 64 (detection pins 0.86 B), in memory",
-               load=lambda comfy_root, fixture_paths: load(), latent=(4, 7, 5), tokens=5, id=row_id)
+               load=lambda comfy_root, fixture_paths: load(), latent=(4, 7, 5), tokens=5, id=row_id,
+               stage_split=stage_split)
 
 
-ROWS = [
-    _row("SD15", sd1_small),
-    _row("SD2", lambda: sd2_small(v_pred=False)),
-    _row("SD2_vpred", lambda: sd2_small(v_pred=True)),
+ROWS = [  # SD 2.x differs from SD 1.5 in widths and heads, not in what crosses a stage boundary
+    _row("SD15", sd1_small, "alike"),
+    _row("SD2", lambda: sd2_small(v_pred=False), "as SD15"),
+    _row("SD2_vpred", lambda: sd2_small(v_pred=True), "as SD15"),
 ]

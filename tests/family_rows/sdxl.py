@@ -72,13 +72,13 @@ def _kwargs(cond, pooled, options, extras):
     return {"y": comfy_y(pooled, extras["size_crop"][0])}
 
 
-def _row(row_id: str, flags: dict) -> Row:
+def _row(row_id: str, flags: dict, stage_split: str) -> Row:
     return Row("SDXL", "ComfyUI's SDXL config class, model_channels 64 (detection pins 2.57 B), in memory",
                load=lambda comfy_root, fixture_paths: sdxl_small(flags), latent=(4, 7, 5), tokens=5,
-               comfy_kwargs=_kwargs, extras=_extras, id=row_id)
+               comfy_kwargs=_kwargs, extras=_extras, id=row_id, stage_split=stage_split)
 
 
 ROWS = [
-    _row("SDXL", {}),
-    _row("SDXL_vpred", {"v_pred": torch.zeros(0)}),
+    _row("SDXL", {}, "alike"),
+    _row("SDXL_vpred", {"v_pred": torch.zeros(0)}, "as SDXL"),  # v-prediction changes the target, not the layers
 ]

@@ -35,7 +35,7 @@ Refused by name: a layout without single blocks (its last double block is built 
 
 Fixture tier: detection pins dim 3072 (about 340 M parameters per double block), so the tests build a
 tiny model in memory from ComfyUI's own ``AuraFlow`` config class (tests/family_rows/auraflow.py, 0.17 M
-parameters); tests/test_auraflow_pixart.py trains it 2 steps through DeepSpeed's pipeline engine in 1 and 2
+parameters); tests/test_stage_split.py trains it 2 steps through DeepSpeed's pipeline engine in 1 and 2
 stages on gloo ranks (bitwise equal in fp32).
 """
 

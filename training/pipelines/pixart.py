@@ -44,7 +44,7 @@ ComfyUI's detection never builds it.
 
 Fixture tier: detection pins hidden size 1152 (about 21 M parameters per block and 12 M in the embedders),
 so the tests build tiny models in memory from ComfyUI's own ``PixArtSigma`` and ``PixArtAlpha`` config
-classes (tests/family_rows/pixart.py, 0.12 / 0.13 M parameters); tests/test_auraflow_pixart.py trains them 2
+classes (tests/family_rows/pixart.py, 0.12 / 0.13 M parameters); tests/test_stage_split.py trains them 2
 steps in 1 and 2 pipeline stages on gloo ranks (bitwise equal in fp32), and the slow tier loads a detected
 1-block PixArt Sigma file (38 M parameters) through ComfyUI's stock loader (tests/test_real_size.py).
 """
