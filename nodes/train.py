@@ -263,7 +263,7 @@ class PipeTrainerTrain(io.ComfyNode):
         previews = settings.pop("previews", None)
         if previews is not None:  # each preview step needs its LoRA file
             settings["save_every"] = preview_save_every(settings["save_every"], previews.every_n_steps)
-        notes: list[str] = []  # the memory plan of blocks_to_swap auto
+        notes: list[str] = []  # the memory plan of blocks_to_swap auto, then what the run starts over or replaces
         try:
             spec = cls.build_spec(model, cache, lora, optimizer, lora_name, notes=notes, **settings)
         except SpecError as exc:
@@ -282,6 +282,10 @@ class PipeTrainerTrain(io.ComfyNode):
             raise
         if warning:
             show_text(f"warning: {warning}", node_id)
+        # said before step 0, in the run log and when done: a resume that starts over, a LoRA file it replaces
+        notes += [note for note in (
+            checkpoints.resume_miss_note(lora_name, spec, paths.runs_root()) if resume and not resume_from else "",
+            paths.keep_earlier_lora(spec.lora_output, spec.step_loras_dir)) if note]
         view = run_messages.RunView(spec.train.steps)
         bar = comfy.utils.ProgressBar(spec.train.steps)
 

@@ -105,6 +105,39 @@ def test_a_changed_rank_is_refused_before_anything_starts(node, tiny_model, demo
                      save_every=0, resume=True, resume_from=f"../{first_dir.name}/step0000002", **SETTINGS)
 
 
+def test_a_resume_that_starts_over_says_why_and_the_earlier_lora_is_kept(node, tiny_model, demo_cache, first_run):
+    """``resume`` with a changed LR finds no checkpoint of these settings: the node says which setting differs
+    and that it starts at step 0; the LoRA file it replaces stays listed under the earlier run's name."""
+    from pipetrainer.nodes.run import paths
+
+    name, _ = first_run
+    final = Path(paths.lora_output_path(name))
+    earlier_bytes = final.read_bytes()
+    [kept] = [f"pipetrainer/{name}/{f.name}" for f in Path(paths.step_loras_dir(name)).iterdir() if f.samefile(final)]
+    before = set(Path(paths.runs_root()).glob(f"{name}-*"))
+    out = node.execute(tiny_model, demo_cache, LORA, OptimizerSpec(lr=2e-3, weight_decay=0.0), name, steps=1,
+                       save_every=0, resume=True, **SETTINGS)
+    [run_dir] = set(Path(paths.runs_root()).glob(f"{name}-*")) - before
+    assert [e["resumed_step"] for e in read_all(run_dir) if e["type"] == "setup"] == [0]
+    shown = out.ui.as_dict()["text"][0]
+    assert f"resume: no checkpoint of {name} has these settings, so this run starts at step 0" in shown, shown
+    assert "optimizer.lr: " in shown and " -> 0.002" in shown and "Choose it in resume_from" in shown, shown
+    assert f"that LoRA stays in the LoRA list as {kept}." in shown, shown
+    assert (Path(paths.loras_dir()) / kept).read_bytes() == earlier_bytes != final.read_bytes()
+
+
+def test_a_lora_file_without_a_run_s_name_gets_one_before_it_is_replaced(tmp_path):
+    from pipetrainer.nodes.run.paths import keep_earlier_lora
+
+    final, step_dir = tmp_path / "mine.safetensors", tmp_path / "pipetrainer" / "mine"
+    assert keep_earlier_lora(str(final), str(step_dir)) == ""  # nothing to keep
+    final.write_bytes(b"a LoRA put here by hand")
+    note = keep_earlier_lora(str(final), str(step_dir))
+    [kept] = step_dir.glob("mine-earlier-*.safetensors")
+    assert kept.read_bytes() == final.read_bytes() and note.endswith(f"as pipetrainer/mine/{kept.name}.")
+    assert keep_earlier_lora(str(final), str(step_dir)) == note and len(list(step_dir.iterdir())) == 1
+
+
 def _record(tmp_path: Path, spec) -> str:
     folder = tmp_path / "run" / "checkpoints" / "step0000005"
     save_checkpoint_spec(folder, spec)

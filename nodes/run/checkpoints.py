@@ -14,10 +14,11 @@ Whether a picked checkpoint may go on with the node's settings is decided by tra
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from ...training.loop.resume import SAVED_MARKER, check_resume
+from ...training.loop.resume import SAVED_MARKER, check_resume, hash_changes
 from ...training.process.events import read_all
 from ...training.spec.choices import SpecError
 from ...training.spec.run_spec import RunSpec
@@ -52,25 +53,47 @@ def chosen_checkpoint(choice: str, runs_root: str) -> str:
     return str(folder)
 
 
-def newest_checkpoint(name: str, training_hash: str, runs_root: str) -> str:
-    """The newest checkpoint of an earlier run of this LoRA with the same training settings ("" if none)."""
+def _earlier_runs(name: str, runs_root: str):
+    """``(spec, newest existing checkpoint)`` of each earlier run of this LoRA that has one, newest run first."""
     if not os.path.isdir(runs_root):
-        return ""
+        return
     stem = paths.lora_stem(name)
-    candidates = sorted((d for d in os.listdir(runs_root) if d.startswith(stem + "-")), reverse=True)
-    for d in candidates:
+    for d in sorted((d for d in os.listdir(runs_root) if d.startswith(stem + "-")), reverse=True):
         run_dir = os.path.join(runs_root, d)
         try:
             earlier = RunSpec.load(os.path.join(run_dir, "spec.json"))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if earlier.training_hash() != training_hash:
-            continue
-        saved = [e for e in read_all(run_dir) if e.get("type") == "saved"]
-        for event in reversed(saved):
-            if os.path.isdir(event["checkpoint"]):
-                return event["checkpoint"]
+        saved = [e["checkpoint"] for e in read_all(run_dir) if e.get("type") == "saved"]
+        existing = [c for c in saved if os.path.isdir(c)]
+        if existing:
+            yield earlier, existing[-1]
+
+
+def newest_checkpoint(name: str, training_hash: str, runs_root: str) -> str:
+    """The newest checkpoint of an earlier run of this LoRA with the same training settings ("" if none)."""
+    for earlier, checkpoint in _earlier_runs(name, runs_root):
+        if earlier.training_hash() == training_hash:
+            return checkpoint
     return ""
+
+
+def resume_miss_note(name: str, spec: RunSpec, runs_root: str) -> str:
+    """Why ``resume`` starts at step 0 although this LoRA has checkpoints: how the newest one's settings differ
+    ("" when no earlier run of this LoRA has a checkpoint). Said on the node and in the run log, so a changed
+    setting never restarts a run silently."""
+    newest = next(iter(_earlier_runs(name, runs_root)), None)
+    if newest is None:
+        return ""
+    earlier, checkpoint = newest
+    changes = hash_changes(json.loads(json.dumps(earlier.to_dict())), spec)
+    described = [text for _, text, _ in changes] or ["several fields together"]
+    refused = [field for field, _, why in changes if why]
+    then = (f"Set back {', '.join(refused)} to continue it" if refused else
+            "Choose it in resume_from to continue it with these settings (the changes are shown as warnings)")
+    where = f"{Path(checkpoint).parent.parent.name}/{Path(checkpoint).name}"
+    return (f"resume: no checkpoint of {paths.lora_stem(name)} has these settings, so this run starts at step 0. "
+            f"The newest, {where}, differs in {'; '.join(described)}. {then}, or turn resume off to silence this.")
 
 
 def resume_source(resume: bool, choice: str, name: str, spec: RunSpec, runs_root: str) -> str:

@@ -60,3 +60,42 @@ def new_run_dir(name: str) -> str:
     path = os.path.join(runs_root(), f"{lora_stem(name)}-{stamp}-{secrets.token_hex(3)}")
     os.makedirs(path)
     return path
+
+
+def keep_earlier_lora(lora_output: str, step_dir: str) -> str:
+    """Before a run replaces ``<loras>/<name>.safetensors``: where the earlier LoRA stays, as a line for the
+    node ("" when there is none yet).
+
+    Each run's final file also has a name in ``step_dir`` (training/loop/engine.py links it there as
+    ``<name>-<run>-step<N>``), so replacing the first name loses nothing; the line says where it is. A file
+    without such a name (put there by hand, or by a version before them) gets one now, a hard link (else a
+    copy) ``<name>-earlier-<its date>.safetensors``, before anything can replace it."""
+    from ...training.adapters.lora_file import link_or_copy
+
+    if not os.path.isfile(lora_output):
+        return ""
+    kept = _same_file_in(step_dir, lora_output)
+    if kept is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.stat(lora_output).st_mtime))
+        kept = os.path.join(step_dir, f"{lora_stem(os.path.basename(lora_output))}-earlier-{stamp}.safetensors")
+        if not os.path.isfile(kept):
+            link_or_copy(lora_output, kept)
+    shown = os.path.relpath(kept, os.path.dirname(lora_output)).replace(os.sep, "/")
+    return (f"this run's {os.path.basename(lora_output)} replaces an earlier run's; that LoRA stays in the LoRA "
+            f"list as {shown}.")
+
+
+def _same_file_in(folder: str, path: str) -> str | None:
+    """A name of ``path``'s file (a hard link) in ``folder``, or None."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    for name in names:
+        candidate = os.path.join(folder, name)
+        try:
+            if name.endswith(".safetensors") and os.path.samefile(candidate, path):
+                return candidate
+        except OSError:
+            continue
+    return None
