@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = args.rows or SPLIT
     os.environ.update(PIPETRAINER_SPLIT_ROWS=",".join(rows), PIPETRAINER_SPLIT_STEPS=str(args.steps))
-    timeout = 60.0 + 20.0 * args.steps * len(rows)
+    bounds = {"collective_timeout_s": 120.0, "run_timeout_s": 120.0 + 10.0 * args.steps * len(rows)}
     with tempfile.TemporaryDirectory() as tmp:
-        (ones,) = run_on_gloo_ranks(TARGET, Path(tmp), world=1, collective_timeout_s=timeout)
-        twos = run_on_gloo_ranks(TARGET, Path(tmp), world=2, collective_timeout_s=timeout)
+        (ones,) = run_on_gloo_ranks(TARGET, Path(tmp), world=1, **bounds)
+        twos = run_on_gloo_ranks(TARGET, Path(tmp), world=2, **bounds)
     print(f"{'row':24} {'parameters':>11} {'1 stage s/step':>15} {'2 stages s/step':>16}")
     for name in rows:
         one, two = ones[name], twos[0][name]

@@ -28,12 +28,15 @@ _CHILD = (
 # interpreter's teardown ("terminate called without an active exception", exit -6) after a correct result.
 
 
-def run_on_gloo_ranks(target: str, tmp: Path, world: int = 2, collective_timeout_s: float = 20.0) -> list[Any]:
+def run_on_gloo_ranks(target: str, tmp: Path, world: int = 2, collective_timeout_s: float = 20.0,
+                      run_timeout_s: float | None = None) -> list[Any]:
     """Call ``target`` (``"module:function"``, taking ``(rank, world)``) on ``world`` gloo ranks.
 
     Returns each rank's JSON result in rank order. Raises AssertionError with the ranks' output if a
-    rank fails or the ranks do not finish within the collective timeout plus start-up time.
+    rank fails or the ranks do not finish within ``run_timeout_s`` (default: the collective timeout, which
+    bounds each collective, plus start-up time).
     """
+    run_timeout_s = collective_timeout_s + 60 if run_timeout_s is None else run_timeout_s
     rendezvous = tmp / f"rendezvous-{target.rsplit(':', 1)[-1]}"
     rendezvous.unlink(missing_ok=True)
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(ENTRY), target, str(rank), str(world),
@@ -44,7 +47,7 @@ def run_on_gloo_ranks(target: str, tmp: Path, world: int = 2, collective_timeout
     try:
         for p in procs:
             try:
-                outputs.append(p.communicate(timeout=collective_timeout_s + 60)[0])
+                outputs.append(p.communicate(timeout=run_timeout_s)[0])
             except subprocess.TimeoutExpired:
                 p.kill()
                 outputs.append(p.communicate()[0] + "\n<killed: no result in time>")

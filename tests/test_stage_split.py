@@ -137,8 +137,9 @@ def two_training_steps(rank: int, world: int) -> dict:
             results[name] = train_steps(ROWS[name], world, steps)
         except pytest.skip.Exception as skipped:  # decided before any collective, alike on every rank
             results[name] = {"skipped": str(skipped)}
-        except Exception:  # this row's test fails with it; the others still run (a rank left in a collective
-            results[name] = {"error": traceback.format_exc()}  # times out and reports too)
+        except Exception:  # this row's test fails with it; a rank left in a collective times out and reports
+            results[name] = {"error": traceback.format_exc()}  # too. The rows after it are not run: the ranks'
+            break  # collectives may be out of step now
     return results
 
 
@@ -152,9 +153,9 @@ def split_runs(request, tmp_path_factory, comfy_root):
     tmp = tmp_path_factory.mktemp("split")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PIPETRAINER_SPLIT_ROWS", ",".join(selected))
-        timeout = 60.0 + 30.0 * len(selected)
-        (ones,) = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp, world=1, collective_timeout_s=timeout)
-        twos = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp, world=2, collective_timeout_s=timeout)
+        bounds = {"collective_timeout_s": 120.0, "run_timeout_s": 120.0 + 30.0 * len(selected)}
+        (ones,) = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp, world=1, **bounds)
+        twos = run_on_gloo_ranks(f"{THIS}:two_training_steps", tmp, world=2, **bounds)
     return ones, twos
 
 
@@ -162,6 +163,8 @@ def split_runs(request, tmp_path_factory, comfy_root):
 @pytest.mark.parametrize("name", SPLIT)
 def test_two_steps_split_as_declared(name, split_runs):
     ones, twos = split_runs
+    missing = [f"{world} stage(s)" for world, results in ((1, [ones]), (2, twos)) if any(name not in r for r in results)]
+    assert not missing, f"{name} was not trained in {', '.join(missing)}: an earlier row failed (see its test)"
     one, two = ones[name], [twos[0][name], twos[1][name]]
     if "skipped" in one:
         pytest.skip(one["skipped"])
