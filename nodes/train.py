@@ -287,6 +287,7 @@ class PipeTrainerTrain(io.ComfyNode):
             checkpoints.resume_miss_note(lora_name, spec, paths.runs_root()) if resume and not resume_from else "",
             paths.keep_earlier_lora(spec.lora_output, spec.step_loras_dir)) if note]
         view = run_messages.RunView(spec.train.steps)
+        view.add_history(checkpoints.earlier_history(spec.resume_from))  # the loss curve shows the whole run
         bar = comfy.utils.ProgressBar(spec.train.steps)
 
         def sheet() -> tuple:

@@ -81,6 +81,9 @@ def test_a_changed_lr_continues_from_the_chosen_step_with_a_warning(node, tiny_m
     # The new LR is the one applied, not the one the checkpoint's optimizer and schedule were saved with.
     assert [e["lr"] for e in steps] == [5e-4, 5e-4] and _steps(first_dir)[0]["lr"] == 1e-3
 
+    # The loss map (and curve) is the whole run's: the first run's step 1, then this run's steps.
+    assert out.result[3]["loss"] == [_steps(first_dir)[0]["loss"], *(e["loss"] for e in steps)]
+
     [warning] = [e for e in events if e["type"] == "warning"]
     assert "optimizer.lr: 0.001 -> 0.0005" in warning["text"] and "(step 1)" in warning["text"]
     assert "warning: " + warning["text"] in (run_dir / "logs" / "rank0.log").read_text()
@@ -136,6 +139,33 @@ def test_a_lora_file_without_a_run_s_name_gets_one_before_it_is_replaced(tmp_pat
     [kept] = step_dir.glob("mine-earlier-*.safetensors")
     assert kept.read_bytes() == final.read_bytes() and note.endswith(f"as pipetrainer/mine/{kept.name}.")
     assert keep_earlier_lora(str(final), str(step_dir)) == note and len(list(step_dir.iterdir())) == 1
+
+
+def test_a_resumed_run_s_history_follows_every_run_it_continues(fixture_paths, comfy_root, demo_cache, tmp_path):
+    """C continues B at step 3, B continued A at step 2: the curve is A's steps 1-2, B's step 3, then C's. A's
+    steps after 2 and B's after 3 (trained on, then abandoned) are not part of it."""
+    from pipetrainer.nodes.run.checkpoints import earlier_history
+    from pipetrainer.tests.helpers import make_spec
+    from pipetrainer.training.process.events import EventWriter
+
+    def run(name: str, resume_from: str, losses: dict[int, float]) -> Path:
+        run_dir = tmp_path / name
+        spec = make_spec(fixture_paths.mmdit, demo_cache.items, run_dir, comfy_root, steps=5, resume_from=resume_from)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.json").write_text(spec.to_json(), encoding="utf-8")
+        writer = EventWriter(run_dir, "rank0")
+        for step, loss in losses.items():
+            writer.emit("step", step=step, total=5, loss=loss)
+            if step == 2:
+                writer.emit("validation", step=2, loss=9.0)
+        return run_dir
+
+    a = run("a", "", {1: 1.0, 2: 0.9, 3: 0.8, 4: 0.7})
+    b = run("b", str(a / "checkpoints" / "step0000002"), {3: 0.6, 4: 0.5})
+    history = earlier_history(str(b / "checkpoints" / "step0000003"))
+    assert [(e["type"], e["step"], e["loss"]) for e in history] == [
+        ("step", 1, 1.0), ("step", 2, 0.9), ("validation", 2, 9.0), ("step", 3, 0.6)]
+    assert earlier_history("") == [] and earlier_history(str(tmp_path / "gone" / "checkpoints" / "step0000001")) == []
 
 
 def _record(tmp_path: Path, spec) -> str:

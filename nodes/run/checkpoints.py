@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from ...training.loop.resume import SAVED_MARKER, check_resume, hash_changes
+from ...training.loop.resume import SAVED_MARKER, check_resume, checkpoint_step, hash_changes
 from ...training.process.events import read_all
 from ...training.spec.choices import SpecError
 from ...training.spec.run_spec import RunSpec
@@ -114,3 +114,28 @@ def resume_warning(spec: RunSpec) -> str:
     if check.refused:
         raise SpecError([check.refused])
     return check.warning_text
+
+
+def earlier_history(checkpoint: str) -> list[dict]:
+    """The step and validation events that led to ``checkpoint``, oldest first: its run's up to its step,
+    after those of the checkpoint that run continued, and so on back to a fresh start. A resumed run's loss
+    curve starts with them, so it shows the whole run. Unreadable links end the walk (what was found stays)."""
+    chain: list[list[dict]] = []
+    seen: set[str] = set()
+    while checkpoint and checkpoint not in seen:
+        seen.add(checkpoint)
+        step = checkpoint_step(checkpoint)
+        run_dir = Path(checkpoint).parent.parent
+        if step is None or not run_dir.is_dir():
+            break
+        chain.append([e for e in read_all(run_dir)
+                      if e.get("type") in ("step", "validation") and int(e.get("step", step + 1)) <= step])
+        try:
+            checkpoint = RunSpec.load(run_dir / "spec.json").resume_from
+        except (OSError, ValueError, KeyError, TypeError):
+            break
+    history: list[dict] = []
+    for events in reversed(chain):  # a later run's steps replace an earlier run's from its resumed step on
+        first = min((int(e["step"]) for e in events if e["type"] == "step"), default=None)
+        history = [e for e in history if first is None or int(e["step"]) < first] + events
+    return history

@@ -30,6 +30,11 @@ class RunView:
     def validation_points(self) -> list[tuple[int, float]]:
         return list(zip(self.validation_steps, self.validation_losses, strict=True))
 
+    def add_history(self, events: list[dict]) -> None:
+        """The steps and validations of the runs this one continues (their curve comes first)."""
+        for event in events:
+            self.on_event(event)
+
     def on_event(self, event: dict) -> str | None:
         """The text to show for ``event`` (None: nothing new to say)."""
         kind = event.get("type")
