@@ -2,8 +2,9 @@
 
 Current ComfyUI (seen on 0.28) builds LongCat-Image and Ovis-Image with its ``Flux`` class and
 marks them only through ``FluxParams`` fields (``txt_ids_dims``, ``txt_norm``, ``yak_mlp``). The
-family registry then says "Flux", and the Flux.1 stage layers would run them without those
-features: a LoRA trained silently wrong. Each model here is a tiny state dict in the relative's
+family registry then says "Flux" for Ovis, and the Flux.1 stage layers would run it without those
+features: a LoRA trained silently wrong. LongCat-Image is ComfyUI's ``LongCatImage`` model class, which
+the LongCat family registers (training/pipelines/longcat_image.py); the Flux adapter still refuses it. Each model here is a tiny state dict in the relative's
 exact key layout, loaded by ComfyUI's own detection and loader (what UNETLoader does with a file),
 so the test follows whatever ComfyUI decides the model is. ComfyUI 0.3.75 knows neither relative:
 there those tests skip, naming the missing ComfyUI feature; the preflight test (a Flux Fill) runs on
@@ -48,20 +49,24 @@ def _load_as_comfyui_does(**params):
     return patcher
 
 
-def test_longcat_image_loads_as_flux_and_is_refused_by_name(comfy_root):
+def test_longcat_image_loads_as_its_own_model_class_and_trains_as_the_longcat_family(comfy_root):
+    """LongCat-Image is ComfyUI's ``LongCatImage`` (a Flux subclass): the LongCat family takes it, with its
+    text rotary positions and rope shifts (tests/family_rows/longcat_image.py checks the forward); a plain
+    Flux model with text rotary positions stays refused by the Flux family."""
     _needs_fields("txt_ids_dims")
     from pipetrainer.nodes.checks.preflight import model_support_problems
+    from pipetrainer.training.pipelines.base import adapter_for
 
     # LongCat-Image's layout: a 3584-wide (Qwen2.5-VL) context, no pooled vector, no guidance embedding.
     patcher = _load_as_comfyui_does(context_in_dim=3584, txt_ids_dims=[1, 2])
     dm = patcher.model.diffusion_model
     assert type(patcher.model).__name__ == "LongCatImage"
-    assert family_name_for(patcher.model) == "Flux"  # model_base.LongCatImage subclasses Flux
+    assert family_name_for(patcher.model) == "LongCat"  # registered itself, not claimed by Flux as a subclass
     assert list(dm.params.txt_ids_dims) == [1, 2]
-    with pytest.raises(NotImplementedError, match=r"LongCat-Image.*txt_ids_dims=\[1, 2\].*own adapter"):
-        FluxAdapter().stage_layers(dm)
-    problems = model_support_problems(patcher)
-    assert len(problems) == 1 and "LongCat-Image" in problems[0] and "Flux.1" in problems[0]
+    assert len(adapter_for("LongCat").stage_layers(dm)) == 4  # embed, 2 blocks, final
+    assert model_support_problems(patcher) == []
+    with pytest.raises(NotImplementedError, match=r"txt_ids_dims=\[1, 2\].*own adapter"):
+        FluxAdapter().stage_layers(dm)  # the Flux.1 layers would skip LongCat's positions: still refused
 
 
 def test_ovis_image_loads_as_flux_and_is_refused_by_name(comfy_root):

@@ -185,9 +185,17 @@ EXAMPLES = {
     "pipetrainer_wan22_ti2v": ("Wan", {"first_frame_clean": True}, set()),
     "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
     "pipetrainer_ltxv": ("LTXV", {}, set()),
+    "pipetrainer_krea2": ("Krea2", {}, set()),
+    "pipetrainer_mage_flow": ("MageFlow", {}, set()),
+    "pipetrainer_longcat_image": ("LongCat", {}, set()),
+    "pipetrainer_hunyuan_image21": ("HunyuanImage", {"guidance": 1.0}, set()),
+    "pipetrainer_ernie_image": ("ErnieImage", {}, set()),
+    "pipetrainer_ideogram4": ("Ideogram4", {}, set()),
+    "pipetrainer_cosmos_predict2_t2i": ("CosmosPredict2", {}, set()),
+    "pipetrainer_anima": ("Anima", {}, set()),
 }
 LOADERS = {"PipeTrainerLoadDiffusionModel", "PipeTrainerLoadCheckpoint", "PipeTrainerLoadGGUF"}
-SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider"}
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider", "DualModelGuider"}
 
 
 def _only(api: dict, class_type: str) -> tuple[str, dict]:

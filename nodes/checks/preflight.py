@@ -233,7 +233,7 @@ def model_inputs(model: ModelPatcher) -> ModelInputs | None:
 
 
 def model_support_problems(model: ModelPatcher) -> list[str]:
-    """A known family's adapter may still refuse this model (Flux.2, Fill, LongCat-Image, Ovis-Image are
+    """A known family's adapter may still refuse this model (Flux.2, Fill, Ovis-Image are
     loaded as Flux): report its reason here, before launching, instead of in the training process."""
     return family_checks.model_support_problems(model.model)
 

@@ -292,4 +292,16 @@ def _text_tensors(cond: torch.Tensor, extras: Mapping[str, object]) -> dict[str,
     mask = extras.get(TEXT_ATTENTION_MASK)
     if mask is not None:
         out[TEXT_ATTENTION_MASK] = mask[0].cpu().contiguous()
+    for name, batched in TEXT_EXTRAS.items():
+        value = extras.get(name)
+        if isinstance(value, torch.Tensor):
+            value = value[0] if batched else value
+            out[name] = (value.to(torch.float32) if value.is_floating_point() else value).cpu().contiguous()
     return out
+
+
+TEXT_EXTRAS = {"t5xxl_ids": False, "t5xxl_weights": False, "conditioning_byt5small": True}
+"""Tensors a text encoder puts into ComfyUI's conditioning beside the states, which a model reads through its
+``extra_conds``, with whether the encoder gives them with a batch dimension: Anima's T5 token ids and weights
+of the caption (unbatched; training/pipelines/anima.py), HunyuanImage 2.1's ByT5 states of the caption's quoted
+text (``[1, G, 1472]``, only for a caption with quoted text; training/pipelines/hunyuan_image.py)."""

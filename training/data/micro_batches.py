@@ -358,13 +358,25 @@ class MicroBatches:
         specs = self.adapter.extras(self.model.diffusion_model)
         out = {}
         for name, spec in specs.items():
-            if name not in batch[0].extras:
+            given = [b.extras[name] for b in batch if name in b.extras]
+            if given and len(given) < len(batch) and spec.shape[:1] == ("*",) and not spec.required:
+                # a token sequence some captions have and others not (HunyuanImage's ByT5 states of quoted
+                # text): the others get none, padded with zeros below like any shorter sequence
+                empty = given[0].new_zeros((0, *given[0].shape[1:]))
+                values = [b.extras.get(name, empty) for b in batch]
+            elif name not in batch[0].extras:
                 continue  # optional, or missing: preflight reports required extras missing from a cache
-            values = [b.extras[name] for b in batch]
+            else:
+                values = [b.extras[name] for b in batch]
             if spec.is_latent:
                 stacked = self.processed_latents(values)
             else:
-                stacked = stack_text(values, text_length) if spec.follows_text else torch.stack(values)
+                if spec.follows_text:
+                    stacked = stack_text(values, text_length)
+                elif spec.shape[:1] == ("*",) and len({v.shape for v in values}) > 1:  # ragged token sequences
+                    stacked = stack_text(values, max(v.shape[0] for v in values))  # (T5 ids, ByT5): zeros after
+                else:
+                    stacked = torch.stack(values)
             out[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
         return out
 

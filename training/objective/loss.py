@@ -7,7 +7,11 @@ give back the clean latent, for each prediction type ComfyUI's samplers know:
 
 - ``CONST`` (flow matching: SD3, Flux, Wan, ...): velocity ``noise - x0``;
 - ``EPS``: the noise;
-- ``V_PREDICTION``: ``v = (sigma_data^2 * noise - sigma * x0) / (sigma_data * sqrt(sigma^2 + sigma_data^2))``.
+- ``V_PREDICTION``: ``v = (sigma_data^2 * noise - sigma * x0) / (sigma_data * sqrt(sigma^2 + sigma_data^2))``;
+- ``COSMOS_RFLOW`` (Cosmos Predict2, kind ``rflow``): EDM sigmas (``x0 + sigma * noise``), the network sees the
+  rectified-flow point ``t = sigma / (sigma + 1)`` (``calculate_input``) and ComfyUI denoises its output as
+  ``noisy * (1 - t) - output * t``, which gives back ``x0`` for the velocity ``noise - x0``. Its sigmas are not
+  flow noise shares in [0, 1], so it is a kind of its own (flow-only settings are refused for it).
 
 Other types (EDM, X0, ...) are refused by name rather than trained against a wrong target.
 """
@@ -26,11 +30,11 @@ class Noised(NamedTuple):
     target: torch.Tensor  # the raw network output that denoises to x0
 
 
-_KINDS = {"CONST": "flow", "EPS": "eps", "V_PREDICTION": "v"}
+_KINDS = {"CONST": "flow", "EPS": "eps", "V_PREDICTION": "v", "COSMOS_RFLOW": "rflow"}
 
 
 def prediction_type(model_sampling) -> str:
-    """``"flow"``, ``"v"`` or ``"eps"``: the ComfyUI prediction class whose ``calculate_denoised`` the
+    """``"flow"``, ``"v"``, ``"eps"`` or ``"rflow"``: the ComfyUI prediction class whose ``calculate_denoised`` the
     model's sampling uses (the most derived one that defines it). A subclass with its own formula
     (EDM, X0, current ComfyUI's IMG_TO_IMG_FLOW, ...) is refused by name, never trained as its parent."""
     import comfy.model_sampling as ms
@@ -41,7 +45,7 @@ def prediction_type(model_sampling) -> str:
         return _KINDS[name]
     raise NotImplementedError(
         f"{name} prediction is not supported yet ({type(model_sampling).__name__}); flow-matching, eps- and "
-        "v-prediction models are."
+        "v-prediction models and Cosmos' rectified flow are."
     )
 
 
@@ -55,7 +59,7 @@ def noisy_input_and_target(model_sampling, x0: torch.Tensor, noise: torch.Tensor
     kind = prediction_type(model_sampling)
     s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
     noisy = model_sampling.noise_scaling(s, noise, x0)
-    if kind == "flow":
+    if kind in ("flow", "rflow"):
         target = noise - x0
     elif kind == "eps":
         target = noise

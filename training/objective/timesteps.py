@@ -56,9 +56,33 @@ def timestep_range(model_sampling) -> tuple[torch.Tensor, torch.Tensor]:
     return first, last
 
 
+# Sampling classes whose ``timestep()`` is not the parameter their sigma table is spaced in: ComfyUI's
+# ModelSamplingCosmosRFlow numbers timesteps by the rectified-flow time sigma / (sigma + 1), while its
+# ``sigmas`` table (EDM's, log-spaced from sigma_min to sigma_max) is what its schedulers walk; its
+# ``sigma()`` also takes one timestep at a time only.
+_TABLE_SCHEDULES = ("ModelSamplingCosmosRFlow",)
+
+
+def _walks_its_table(model_sampling) -> bool:
+    return any(cls.__name__ in _TABLE_SCHEDULES for cls in type(model_sampling).__mro__)
+
+
+def table_sigma(model_sampling, u: torch.Tensor) -> torch.Tensor:
+    """Sigma at fraction ``u`` of the model's own ``sigmas`` table, interpolated in log sigma (as ComfyUI's
+    discrete ``sigma()`` interpolates its ``log_sigmas``): ``u`` uniform gives the table's distribution."""
+    log = model_sampling.log_sigmas.float()
+    position = u.float().clamp(0, 1) * (len(log) - 1)
+    low = position.floor().long().clamp(max=len(log) - 2)
+    frac = position - low
+    return ((1 - frac) * log[low] + frac * log[low + 1]).exp()
+
+
 def model_sigma(model_sampling, u: torch.Tensor) -> torch.Tensor:
     """Sigma at fraction ``u`` of the model's timestep range (:func:`timestep_range`), by the model's own
-    ``model_sampling``: ``u`` uniform in [0, 1] gives the inference schedule's sigma distribution."""
+    ``model_sampling``: ``u`` uniform in [0, 1] gives the inference schedule's sigma distribution. A sampling
+    class whose timestep is not its table's parameter (Cosmos Predict2's) walks its table (:func:`table_sigma`)."""
+    if _walks_its_table(model_sampling):
+        return table_sigma(model_sampling, u)
     first, last = timestep_range(model_sampling)
     return model_sampling.sigma(first + u * (last - first)).float()
 

@@ -79,7 +79,7 @@ def model_inputs(model_base: object) -> ModelInputs | None:
 
 
 def model_support_problems(model_base: object) -> list[str]:
-    """A known family's adapter may still refuse this model (Flux.2, Fill, LongCat-Image, Ovis-Image are
+    """A known family's adapter may still refuse this model (Flux.2, Fill, Ovis-Image are
     loaded as Flux): its reason, before launching, instead of in the training process."""
     inputs = model_inputs(model_base)
     if inputs is None:
@@ -275,7 +275,7 @@ def cache_vs_model_problems(shapes: CachedShapes, inputs: ModelInputs) -> list[s
 
 
 # ---- timestep settings and family options against the model ----------------------------------------
-_PREDICTION_NAMES = {"eps": "eps-prediction", "v": "v-prediction"}
+_PREDICTION_NAMES = {"eps": "eps-prediction", "v": "v-prediction", "rflow": "rectified-flow"}
 
 
 def timestep_problems(timesteps: TimestepSpec, prediction: str, family: str,

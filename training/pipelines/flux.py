@@ -104,19 +104,21 @@ def _support_problem(dm: nn.Module) -> str | None:
 def _flux1_lookalike(params) -> str | None:
     """What makes a model ComfyUI builds with its ``Flux`` class differ from Flux.1, or None.
 
-    ComfyUI loads some relatives as ``Flux`` (model_base.LongCatImage even subclasses it) and marks
-    them only by ``FluxParams`` fields that newer ComfyUI added (0.3.75 has none of them, hence
-    ``getattr``): Ovis-Image normalises the text embedding (``txt_norm``) and uses a gated MLP
-    (``yak_mlp``); LongCat-Image gives text tokens rotary positions (``txt_ids_dims``, all zero in
-    Flux.1). The stage layers skip all of that, and the forward would still run.
+    ComfyUI loads some relatives as ``Flux`` and marks them only by ``FluxParams`` fields that newer
+    ComfyUI added (0.3.75 has none of them, hence ``getattr``): Ovis-Image normalises the text embedding
+    (``txt_norm``) and uses a gated MLP (``yak_mlp``); text rotary positions (``txt_ids_dims``, all zero
+    in Flux.1) belong to such relatives. The stage layers skip all of that, and the forward would still
+    run. LongCat-Image (text rotary positions and image rope shifts) is ComfyUI's own ``LongCatImage``
+    model class, which :mod:`.longcat_image` registers as a family of its own, so it never reaches here.
     """
     if getattr(params, "txt_norm", False):
         return ("This is Ovis-Image (a Flux relative: it normalises the text embedding with txt_norm, "
                 f"uses a gated MLP and text rotary positions txt_ids_dims={list(params.txt_ids_dims)})")
     txt_ids_dims = list(getattr(params, "txt_ids_dims", None) or [])
     if txt_ids_dims:
-        return ("This is LongCat-Image or another Flux relative that gives text tokens rotary positions "
-                f"(txt_ids_dims={txt_ids_dims}; Flux.1 has none)")
+        return ("This is a Flux relative that gives text tokens rotary positions "
+                f"(txt_ids_dims={txt_ids_dims}; Flux.1 has none) loaded as a plain Flux model (LongCat-Image, "
+                "which does too, trains as its own family when ComfyUI loads it as its LongCatImage model)")
     different = [name for name, flux1 in (("yak_mlp", False), ("mlp_silu_act", False), ("ops_bias", True))
                  if getattr(params, name, flux1) != flux1]
     if different:
@@ -228,13 +230,17 @@ class FluxEmbed(StageLayer):
         self.ref_method = getattr(dm.params, "default_ref_method", "offset")
         self.ref_index_scale = float(getattr(dm.params, "ref_index_scale", 1.0))
 
-    def _image_tokens(self, x: torch.Tensor, refs: Sequence[torch.Tensor]):
-        img, img_ids = self._process_img(self, x, transformer_options={})
+    def transformer_options(self, context: torch.Tensor) -> dict:
+        """What ComfyUI's model class hands ``process_img`` (Flux.1: nothing; LongCat-Image: its rope shifts)."""
+        return {}
+
+    def _image_tokens(self, x: torch.Tensor, refs: Sequence[torch.Tensor], options: dict):
+        img, img_ids = self._process_img(self, x, transformer_options=options)
         places = reference_positions(self.ref_method, [tuple(r.shape[-2:]) for r in refs], tuple(x.shape[-2:]),
                                      self.patch_size, self.ref_index_scale)
         for ref, (index, h_offset, w_offset) in zip(refs, places, strict=True):
             tokens, ids = self._process_img(self, ref, index=index, h_offset=h_offset, w_offset=w_offset,
-                                            transformer_options={})
+                                            transformer_options=options)
             img, img_ids = torch.cat((img, tokens), dim=1), torch.cat((img_ids, ids), dim=1)
         return img, img_ids
 
@@ -243,7 +249,7 @@ class FluxEmbed(StageLayer):
 
         x, timestep, context, y, guidance, *refs = inputs
         batch, _, h, w = x.shape
-        img, img_ids = self._image_tokens(x, refs)
+        img, img_ids = self._image_tokens(x, refs, self.transformer_options(context))
         txt_ids = torch.zeros(batch, context.shape[1], img_ids.shape[-1], device=x.device, dtype=img_ids.dtype)
         for axis in self.text_axes:
             txt_ids[:, :, axis] = torch.arange(context.shape[1], device=x.device, dtype=img_ids.dtype)
