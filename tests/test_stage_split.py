@@ -83,6 +83,7 @@ def train_steps(row, world: int, steps: int = 2) -> dict:
     model = row.load(comfyui_root(), None).model
     adapter = adapter_for(row.family)
     layers = adapter.stage_layers(model.diffusion_model)
+    parameters = sum(p.numel() for p in model.diffusion_model.parameters())  # the base model's, before LoRA
     for layer in layers:
         layer.register_forward_hook(_contiguous_outputs)
     module = PipelineModule(layers=[_inputs_need_grad, *layers], num_stages=world, loss_fn=mse_loss,
@@ -108,7 +109,6 @@ def train_steps(row, world: int, steps: int = 2) -> dict:
         losses.append(float(engine.train_batch(data)))
         seconds.append(time.perf_counter() - start)
     lora = {name: p.detach().double().sum().item() for name, p in module.named_parameters() if p.requires_grad}
-    parameters = sum(p.numel() for p in model.diffusion_model.parameters())
     return {"losses": losses, "lora": lora, "seconds": seconds, "parameters": parameters}
 
 
