@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..training.data.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
 from ..training.data.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
@@ -164,4 +164,5 @@ class PipeTrainerDataset(io.ComfyNode):
                                    captions, flip=flip, mask=mask, mask_folder=masks)
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
-        return io.NodeOutput(dataset, dataset.report())
+        report = dataset.report()  # on the node too: what was found, and every file skipped and why
+        return io.NodeOutput(dataset, report, ui=ui.PreviewText(report))

@@ -44,7 +44,10 @@ def test_cache_node_buckets_reports_and_skips(server, comfy_root, fixture_paths)
         cached, reused = counts[0:2], counts[2:4]  # the demo images may be cached by earlier runs
         assert cached[0] >= 1 and cached[1] >= 1 and [c + r for c, r in zip(cached, reused, strict=True)] == [5, 5]
         assert "buckets: 64x64x1 (4), 96x48x1 (1)" in report
-        assert "skipped broken.jpg: cannot read it" in report
+        assert "skipped broken.jpg: cannot read it (not an image Pillow can read" in report
+        # found by the Dataset node's header check, which says so on the node too
+        shown = "\n".join(entry["outputs"]["4"]["text"])
+        assert "skipped 1 that cannot be read: broken.jpg: not an image Pillow can read" in shown, shown
         again = server.wait(server.queue(_prompt(folder, aspect_buckets=3, min_ratio=0.5, max_ratio=2.0,
                                                  extra_resolutions="")), 600)
         assert "\n".join(again["outputs"]["5"]["text"]).startswith("cached 0 latents, 0 texts; reused 5 latents")

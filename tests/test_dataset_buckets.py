@@ -57,9 +57,14 @@ def test_invalid_bucket_settings_name_the_fix(tmp_path):
 
 
 def test_scan_lists_videos_and_reports_buckets(tmp_path):
-    for name in ("a.png", "b.mp4", "c.webm"):
-        (tmp_path / name).write_bytes(b"x")
-        (tmp_path / name).with_suffix(".txt").write_text(f"caption {name}", encoding="utf-8")
+    import shutil
+
+    from pipetrainer.tests.test_dataset_check import _image, _video
+
+    _image(tmp_path / "a.png", "PNG", caption="caption a.png")
+    _video(tmp_path / "b.mp4")
+    shutil.copyfile(tmp_path / "b.mp4", tmp_path / "c.webm")  # PyAV reads the container, whatever the name
+    (tmp_path / "c.txt").write_text("caption c.webm", encoding="utf-8")
     spec = scan_dataset(tmp_path, 64, buckets=BucketSettings((64, 128), 0.5, 2.0, 3))
     assert [e.is_video for e in spec.entries] == [False, True, True]
     report = spec.report()

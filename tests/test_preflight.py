@@ -270,7 +270,7 @@ BAD_INPUTS: list[tuple[str, Callable, tuple[str, ...]]] = [
     ("resolution not a patch multiple", _not_patch_multiple, ("9x9 are not multiples of the SD3 model's patch size 2",
                                                               "16 px for an 8x VAE")),
     ("resolution too small", _too_small, ("4x4 are too small", "Raise the resolution")),
-    ("unsupported model family", _unsupported_family, ("cannot train NewComfyModel", "Supported model families: AuraFlow, Chroma, Flux, Flux2, ",
+    ("unsupported model family", _unsupported_family, ("cannot train NewComfyModel", "Supported model families: Anima, AuraFlow, Chroma, ",
                                                        "QwenImage, SD1/SD2, SD3, SDXL, Wan")),
     ("MODEL not from the train loader", _model_without_recipe, ("was not loaded by 'Load Diffusion Model (PipeTrainer)'",)),
     ("model file changed after loading", _model_file_changed, ("changed on disk after the graph loaded it",

@@ -255,6 +255,10 @@ class _Filler:
         self.source_sizes: dict[str, tuple[int, int]] = {}  # path -> probed (width, height), for prep extras
         preps: dict[Bucket, tuple[dict, str]] = {}
         out = []
+        # what the Dataset node's header check already skipped is a dropped item like any below (the Train
+        # node refuses to train without it, naming it with its other problems)
+        self.report.skipped.extend(f"{line.replace(': ', ': cannot read it (', 1)})"
+                                   for line in getattr(self.dataset, "unreadable", ()))
         for entry in self.dataset.entries:
             name = os.path.basename(entry.path)
             try:

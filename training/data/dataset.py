@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .captions import CaptionOptions
 from .dataset_masks import option_problems, pair_masks
+from .media_check import media_problems
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -100,6 +101,7 @@ class DatasetSpec:
     flip: str = "none"  # "random": a mirrored latent is cached per item, used half the time (cache/masks.py)
     mask: str = "none"  # loss mask: "alpha" (the image's) or "folder" (mask_folder, paired by name)
     mask_folder: str = ""
+    unreadable: tuple[str, ...] = ()  # "<file>: <why>" of the files skipped because they cannot be read
 
     @property
     def bucket_settings(self) -> BucketSettings:
@@ -116,6 +118,8 @@ class DatasetSpec:
             lines.append(f"{b.count} aspect buckets from {b.min_ratio:g} to {b.max_ratio:g} (width/height)")
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} without caption: {', '.join(self.skipped)}")
+        if self.unreadable:
+            lines.append(f"skipped {len(self.unreadable)} that cannot be read: {'; '.join(self.unreadable)}")
         if self.empty_captions:
             lines.append(f"{len(self.empty_captions)} trained with an empty caption: {', '.join(self.empty_captions)}")
         if self.control_folder:
@@ -261,19 +265,38 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
         else:
             empty.append(name)
             entries.append(ImageEntry(path, ""))
+    if not entries and not missing:
+        raise DatasetError(f"Every file in {folder} was skipped for lack of a caption: add .txt captions.")
+    # Every problem of the folder in one message: one queue shows them all.
+    problems = []
     if missing:
-        raise DatasetError(
+        problems.append(
             f"{len(missing)} file(s) in {folder} have no caption (or an empty one): {', '.join(missing)}. "
             "Add a same-name .txt file for each, or set missing_caption to 'skip' or 'empty'."
         )
-    if not entries:
-        raise DatasetError(f"Every file in {folder} was skipped for lack of a caption: add .txt captions.")
+    # Files that cannot be read are skipped (named in the report, as the cache skips what it cannot decode)
+    unreadable = media_problems([e.path for e in entries], VIDEO_EXTENSIONS)
+    unreadable_names = {line.split(": ", 1)[0] for line in unreadable}
+    entries = [e for e in entries if os.path.basename(e.path) not in unreadable_names]
+    if not entries and not problems:
+        problems.append(f"No file in {folder} can be read: {'; '.join(unreadable)}. Replace them with good copies.")
+    elif unreadable and problems:
+        problems.append(f"(Also skipped, {len(unreadable)} file(s) that cannot be read: {'; '.join(unreadable)}.)")
     control = ""
     if control_folder:
-        entries, control = _with_references(folder, images, entries, Path(control_folder)), str(control_folder)
+        try:
+            entries, control = _with_references(folder, images, entries, Path(control_folder)), str(control_folder)
+        except DatasetError as exc:
+            problems.append(str(exc))
     if mask == "folder":
-        entries = _with_masks(folder, images, entries, Path(mask_folder))
+        try:
+            entries = _with_masks(folder, images, entries, Path(mask_folder))
+        except DatasetError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise DatasetError("\n".join(problems))
     return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty),
+                       unreadable=tuple(unreadable),
                        buckets=buckets, control_folder=control, captions=captions, flip=flip, mask=mask,
                        mask_folder=str(mask_folder) if mask == "folder" else "")
 
