@@ -248,7 +248,8 @@ def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 6
 # ---- checking an API prompt against a server's /object_info -------------------------------------------
 # Combo inputs that name the user's own files: their values are the file names of the model's usual release
 # (what ComfyUI's own templates use), never in a test host's lists.
-FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3", "vae_name",
+FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",
+               "clip_name4", "vae_name",
                "lora_name", "image", "video", "audio", "model_name", "control_net_name", "style_model_name"}
 FILE_SUFFIXES = (".safetensors", ".sft", ".gguf", ".pt", ".pth", ".ckpt", ".bin", ".png", ".jpg", ".jpeg",
                  ".webp", ".mp4", ".webm")

@@ -66,6 +66,9 @@ FAMILY_SAMPLING = {
     "Ideogram4": ("Ideogram4", {"image_model": "ideogram4"}, "FLOW"),  # shift 1.0, multiplier 1 (current ComfyUI only)
     "LongCat": ("LongCatImage", {"image_model": "flux", "guidance_embed": False}, "FLUX"),  # mu 1.15 (current ComfyUI only)
     "HunyuanImage": ("HunyuanImage21", {"image_model": "hunyuan_video", "vec_in_dim": None}, "FLOW"),  # shift 5.0
+    "HiDream": ("HiDream", {"image_model": "hidream"}, "FLOW"),  # shift 1.0 (its config sets none; workflows add 3-6)
+    "Omnigen2": ("Omnigen2", {"image_model": "omnigen2"}, "FLOW"),  # shift 2.6
+    "Kandinsky5Image": ("Kandinsky5Image", {"image_model": "kandinsky5"}, "FLOW"),  # shift 3.0 (current ComfyUI only)
 }
 
 

@@ -189,10 +189,13 @@ EXAMPLES = {
     "pipetrainer_mage_flow": ("MageFlow", {}, set()),
     "pipetrainer_longcat_image": ("LongCat", {}, set()),
     "pipetrainer_hunyuan_image21": ("HunyuanImage", {"guidance": 1.0}, set()),
+    "pipetrainer_hidream_i1": ("HiDream", {}, set()),
     "pipetrainer_ernie_image": ("ErnieImage", {}, set()),
     "pipetrainer_ideogram4": ("Ideogram4", {}, set()),
     "pipetrainer_cosmos_predict2_t2i": ("CosmosPredict2", {}, set()),
     "pipetrainer_anima": ("Anima", {}, set()),
+    "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
+    "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
 }
 LOADERS = {"PipeTrainerLoadDiffusionModel", "PipeTrainerLoadCheckpoint", "PipeTrainerLoadGGUF"}
 SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider", "DualModelGuider"}
