@@ -47,10 +47,12 @@ count (the stacked extra has one length). The cached Llama stack is large (``E x
 
 Text-to-image only: ``image_cond`` (HiDream E1's edit image, concatenated along the width) is not taken.
 
-Refused by name: ``HiDreamO1`` (HiDream-O1-Image: a pixel-space Qwen3-VL decoder over one text and image
-sequence with token ids, no VAE latent and no text states to cache); a model whose ``llama_layers`` do not
-match its blocks one to one (ComfyUI's forward would index the projections past their end), or with no
-blocks.
+Not registered: ComfyUI's ``HiDreamO1`` (HiDream-O1-Image), so PipeTrainer says it cannot train it. It is a
+pixel-space Qwen3-VL decoder over one text and image sequence with token ids (no VAE latent, no text states to
+cache), and its flow scales the noise (``noise_scale`` 8), which the shared objective's velocity target does
+not follow: claiming the class would make it look trainable. Refused by name: a model whose ``llama_layers``
+do not match its blocks one to one (ComfyUI's forward would index the projections past their end), or with
+no blocks.
 
 Fixture tier: detection pins 20 heads of 128, 4096-wide text and 48 blocks (17 B parameters), so the tests
 build a tiny model in memory from ComfyUI's own ``HiDream`` config class (tests/family_rows/hidream.py).
@@ -81,9 +83,6 @@ _TARGETS = {
 
 
 def _support_problem(dm: nn.Module) -> str | None:
-    if type(dm).__name__ == "HiDreamO1Transformer":
-        return ("HiDream-O1-Image (HiDreamO1) cannot be trained: it is a pixel-space Qwen3-VL decoder over one sequence "
-                "of token ids and image patches (no VAE latent, no text states to cache), not HiDream I1's network.")
     from comfy.ldm.hidream.model import HiDreamImageTransformer2DModel
 
     if not isinstance(dm, HiDreamImageTransformer2DModel):
@@ -291,4 +290,4 @@ class HiDreamAdapter:
         return max(lengths)
 
 
-ADAPTER = register(HiDreamAdapter(), model_classes=("HiDream", "HiDreamO1"))
+ADAPTER = register(HiDreamAdapter(), model_classes=("HiDream",))
