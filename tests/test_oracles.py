@@ -44,11 +44,13 @@ def _family_models():
 def test_comfyui_gets_x0_back_from_the_training_target_for_every_family(comfy_root):
     """Oracle: ``model_sampling.calculate_denoised(sigma, target, noisy)``, how ComfyUI turns the raw
     network output into the denoised latent, must give back the clean latent for every sigma."""
+    import comfy.model_base
     from pipetrainer.training.objective.loss import noisy_input_and_target
-    from pipetrainer.training.pipelines.base import known_families
+    from pipetrainer.training.pipelines.base import known_families, model_classes_of
 
     models = _family_models()
-    assert {family for _, family, _ in models} == set(known_families()), models
+    on_this_host = {f for f in known_families() if any(hasattr(comfy.model_base, c) for c in model_classes_of(f))}
+    assert {family for _, family, _ in models} == on_this_host, models  # a family newer than the host is absent
     sampling_classes = {type(m.model_sampling).__mro__[1].__name__ for _, _, m in models}
     assert {"ModelSamplingDiscreteFlow", "ModelSamplingFlux"} <= sampling_classes
     assert {"WAN21_T2V", "WAN22_T2V"} <= {name for name, _, _ in models}
