@@ -15,6 +15,7 @@ from .preview_settings import PipeTrainerPreviewSettings
 from .regularization import PipeTrainerRegularization
 from .timesteps import PipeTrainerTimesteps
 from .train import PipeTrainerTrain
+from .training_adapter import PipeTrainerTrainingAdapter
 from .validation import PipeTrainerValidation
 
 NODES: list[type[io.ComfyNode]] = [
@@ -29,6 +30,7 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerValidation,
     PipeTrainerRegularization,
     PipeTrainerPreviewSettings,
+    PipeTrainerTrainingAdapter,
     PipeTrainerTrain,
 ]
 

@@ -23,6 +23,7 @@ from ..training.spec.run_spec import RunSpec
 from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
+from .checks.training_adapter import training_adapter_problems, with_training_adapter
 from .model_source import no_recipe_message, recipe_of
 from .preview_settings import PreviewConfig, preview_save_every
 from .regularization import RegularizationConfig
@@ -135,7 +136,8 @@ class PipeTrainerTrain(io.ComfyNode):
                                        "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
                                        "split is refused with the reason."),
                 io.Boolean.Input("first_frame_clean", default=False, optional=True,
-                                 tooltip="Wan 2.2 TI2V-5B and LTX-Video: train image-to-video as ComfyUI samples it "
+                                 tooltip="Wan 2.2 TI2V-5B, LTX-Video and Kandinsky 5 video: train image-to-video as "
+                                         "ComfyUI samples it "
                                          "(the first latent frame stays clean and is left out of the loss). Off: "
                                          "text-to-video. Other families do not use it."),
                 io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
@@ -194,6 +196,7 @@ class PipeTrainerTrain(io.ComfyNode):
             options_type = adapter_for(family).options_type
             family_options = options_from_inputs(options_type, settings)
             problems += parse_family_options(family, options_type, family_options)[1]
+            problems += training_adapter_problems(model, family, recipe)
         problems += graph_patches.patch_problems(model)
         sampling, sampling_problems = graph_patches.sampling_override(model)
         problems += sampling_problems
@@ -271,7 +274,8 @@ class PipeTrainerTrain(io.ComfyNode):
             raise
         notes += memory.preview_notes(model, cache, spec, previews)  # a preview's need beside the plan (GPU)
         run_dir = paths.new_run_dir(lora_name)
-        spec = dataclasses.replace(spec, model=write_stacked_loras(model, spec.model, run_dir), run_dir=run_dir)
+        recipe = with_training_adapter(model, write_stacked_loras(model, spec.model, run_dir), run_dir)
+        spec = dataclasses.replace(spec, model=recipe, run_dir=run_dir)
         try:
             resume_from = checkpoints.resume_source(resume, resume_choice, lora_name, spec, paths.runs_root())
             spec = dataclasses.replace(spec, resume_from=resume_from).validated()

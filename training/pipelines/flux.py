@@ -46,6 +46,7 @@ from .base import (
     refuse_unsupported,
     register,
 )
+from .distillation import Distillation
 from .out_of_place import OutOfPlaceResidualAdds
 
 
@@ -366,6 +367,7 @@ def reference_specs(count: int, what: str) -> dict[str, ExtraSpec]:
 class FluxAdapter:
     name = "Flux"
     options_type = FluxOptions
+    distillation = Distillation(checkpoints="FLUX.1 schnell")  # dev is guidance-distilled: ``guidance``
     max_references = MAX_REFERENCES
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:

@@ -37,8 +37,9 @@ unmasked batched conds do.
 Turbo. ComfyUI has one model class for Krea 2: nothing in the checkpoint tells the Turbo (few-step,
 distilled) weights from others, so they train like any Krea 2 model. A LoRA trained naively on a distilled
 checkpoint (this trainer's plain flow-matching loss over the model's full sigma range) can lose the
-checkpoint's few-step behaviour: sample it with more steps or a lower LoRA strength if 8-step samples
-degrade. No de-distillation is offered.
+checkpoint's few-step behaviour. The family declares Krea 2 Turbo as distilled (``distillation``): the Training
+Adapter node merges a de-distillation LoRA while training and leaves it out of the saved LoRA, which keeps the
+few-step sampling (training/pipelines/distillation.py).
 
 Reference latents: ComfyUI's detection sets no reference method for Krea 2, so its forward ignores
 ``ref_latents`` unless a conditioning node sets one (its style-reference template uses
@@ -60,6 +61,7 @@ import torch
 from torch import nn
 
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .distillation import Distillation
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -168,6 +170,7 @@ class Krea2Final(StageLayer):
 class Krea2Adapter:
     name = FAMILY
     options_type = NoOptions
+    distillation = Distillation(checkpoints="Krea 2 Turbo")
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .distillation import Distillation
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -202,6 +203,7 @@ class LuminaFinal(StageLayer):
 class Lumina2Adapter:
     name = "Lumina2"
     options_type = NoOptions
+    distillation = Distillation(checkpoints="Z-Image Turbo")
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

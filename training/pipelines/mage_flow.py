@@ -42,7 +42,8 @@ images to the text encoder; the Cache node encodes Mage captions text-only (``re
 Mage style yet), so an edit LoRA's captions lack the images' tokens that sampling's prompt has.
 
 Turbo: Mage-Flow-Turbo (few-step, distilled) has the same layout and ComfyUI one model class for both; it
-trains like the base, and a LoRA trained naively on it can lose its 4-step behaviour.
+trains like the base, and a LoRA trained naively on it can lose its 4-step behaviour; the family declares it
+(``distillation``), so a de-distillation adapter can be merged while training (the Training Adapter node).
 
 Refused by name: a transformer whose input width differs from its output width (control or image channels
 concatenated to the latent, which ComfyUI's forward does not build), or with no blocks.
@@ -59,6 +60,7 @@ import torch
 from torch import nn
 
 from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
+from .distillation import Distillation
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 from .qwen_image import _TARGETS, _KeepInGraph
@@ -156,6 +158,7 @@ class MageFinal(StageLayer):
 class MageFlowAdapter:
     name = FAMILY
     options_type = NoOptions
+    distillation = Distillation(checkpoints="Mage-Flow-Turbo")
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

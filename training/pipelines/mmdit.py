@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .distillation import Distillation
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -96,6 +97,7 @@ class MMDiTFinal(StageLayer):
 class MMDiTAdapter:
     name = "SD3"
     options_type = NoOptions
+    distillation = Distillation(checkpoints="SD3.5 Large Turbo")
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         dm = diffusion_model
