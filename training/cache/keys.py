@@ -31,6 +31,12 @@ options off finds the entries the caption had before.
 
 Each kind has its own format version, so a change to the text key (version 4 added clip-skip,
 tokenizer options and patches) re-encodes captions only, never the far costlier latents.
+
+A clip's encoded sound (families that train on audio) is an entry of its own kind, ``audio``: its key
+covers the audio track's content identity (training/data/audio.py ``track_digest``, or the source's
+digest), the audio preprocessing (training/data/audio.py ``audio_preprocessing``: target rate, channels,
+the cut span, the resampling filter) and the audio encoder's identity, so a changed track, sample rate,
+span or encoder re-encodes the sound and nothing else. The latent and text keys do not change.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import json
 
 LATENT_FORMAT_VERSION = 3
 TEXT_FORMAT_VERSION = 4
+AUDIO_FORMAT_VERSION = 1
 TEXT_STORE_DTYPES = ("bf16", "fp32")  # what a text embedding may be stored as; fp32 = how older caches hold it
 _LEGACY_TEXT_STORE = "fp32"
 LATENT_SCALING = "raw"  # stored as the VAE returns it; the model's process_latent_in runs at train time
@@ -57,6 +64,9 @@ _CHANGE_NAMES = {
     "encoder": "text encoder changed",
     "stored": "stored text dtype changed",
     "prompt": "reference-in-prompt changed",
+    "track": "audio track changed",
+    "audio_prep": "audio preprocessing changed",
+    "audio_encoder": "audio encoder changed",
 }
 _LONG_VALUE = 24  # digests are named, not printed
 
@@ -153,6 +163,20 @@ def text_key(caption: str, encoder_sig: str, stored: str = _LEGACY_TEXT_STORE, p
     store = () if stored == _LEGACY_TEXT_STORE else (f"stored={stored}",)
     prompt = ("prompt", prompt_sig, *references) if prompt_sig else ()
     return _hash("\x1f".join(("text", str(TEXT_FORMAT_VERSION), encoder_sig, *store, *prompt, caption)))
+
+
+def audio_components(track: str, preprocessing: dict, encoder_identity: str | dict) -> dict:
+    """Everything an encoded audio entry depends on, by name: the track's content identity, the audio
+    preprocessing (``audio.audio_preprocessing``) and the audio encoder's identity (weights and dtype)."""
+    return {"kind": "audio", "v": AUDIO_FORMAT_VERSION, "track": track, "audio_prep": preprocessing,
+            "audio_encoder": encoder_identity}
+
+
+def audio_key(track: str, preprocessing: dict, encoder_identity: str | dict) -> str:
+    """The key of :func:`audio_components`: a pure function of the same three, the track last so that no
+    track identity can mimic another field. Its own kind and version, so no latent or text key moves."""
+    return _hash("\x1f".join(("audio", str(AUDIO_FORMAT_VERSION), _canonical_json(encoder_identity),
+                              _canonical_json(preprocessing), track)))
 
 
 def _show(value: object) -> str:

@@ -24,11 +24,14 @@ from pathlib import Path
 
 from .captions import CaptionOptions
 from .dataset_masks import option_problems, pair_masks
-from .media_check import media_problems
+from .media_check import audio_problems, media_problems
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CAPTION_POLICIES = ("error", "skip", "empty")
+# Sound, for families that train on it: "off" (today's families: nothing is checked), "optional" (clips
+# without an audio track are named and train with the family's no-audio input), "required" (they are refused).
+AUDIO_POLICIES = ("off", "optional", "required")
 
 
 class DatasetError(ValueError):
@@ -102,6 +105,8 @@ class DatasetSpec:
     mask: str = "none"  # loss mask: "alpha" (the image's) or "folder" (mask_folder, paired by name)
     mask_folder: str = ""
     unreadable: tuple[str, ...] = ()  # "<file>: <why>" of the files skipped because they cannot be read
+    audio: str = "off"  # AUDIO_POLICIES: whether the family trains on the clips' sound
+    without_audio: tuple[str, ...] = ()  # "<file>: <why>" of the clips that train with the no-audio input
 
     @property
     def bucket_settings(self) -> BucketSettings:
@@ -122,6 +127,9 @@ class DatasetSpec:
             lines.append(f"skipped {len(self.unreadable)} that cannot be read: {'; '.join(self.unreadable)}")
         if self.empty_captions:
             lines.append(f"{len(self.empty_captions)} trained with an empty caption: {', '.join(self.empty_captions)}")
+        if self.without_audio:
+            lines.append(f"{len(self.without_audio)} clip(s) without sound train with the model's no-audio input: "
+                         f"{'; '.join(self.without_audio)}")
         if self.control_folder:
             counts = sorted({len(e.references) for e in self.entries})
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
@@ -223,14 +231,18 @@ def _image_files(folder: Path) -> list[str]:
 def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_caption: str = "error",
                  buckets: BucketSettings | None = None, control_folder: str | Path | None = None,
                  captions: CaptionOptions | None = None, flip: str = "none", mask: str = "none",
-                 mask_folder: str | Path | None = None) -> DatasetSpec:
+                 mask_folder: str | Path | None = None, audio: str = "off") -> DatasetSpec:
     """List the images and videos of ``folder`` with their captions, applying the missing-caption policy,
     and with ``control_folder`` each item's reference images (see :func:`pair_references`); ``captions``:
     caption dropout and tag shuffle, checked here (every problem in one message); ``flip``, ``mask`` and
-    ``mask_folder``: the cached variants of cache/masks.py (masks paired by :func:`pair_masks`)."""
+    ``mask_folder``: the cached variants of cache/masks.py (masks paired by :func:`pair_masks`); ``audio``
+    (``AUDIO_POLICIES``, default off): for a family that trains on sound, the videos without an audio track
+    are named, and with ``required`` refused."""
     folder = Path(folder)
     if missing_caption not in CAPTION_POLICIES:
         raise DatasetError(f"missing_caption must be one of {', '.join(CAPTION_POLICIES)} (got {missing_caption!r}).")
+    if audio not in AUDIO_POLICIES:
+        raise DatasetError(f"audio must be one of {', '.join(AUDIO_POLICIES)} (got {audio!r}).")
     captions = captions or CaptionOptions()
     settings = [f"{what}: {' '.join(problems)}" for what, problems in (
         ("Bucket settings", buckets.problems() if buckets is not None else []),
@@ -282,6 +294,11 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
         problems.append(f"No file in {folder} can be read: {'; '.join(unreadable)}. Replace them with good copies.")
     elif unreadable and problems:
         problems.append(f"(Also skipped, {len(unreadable)} file(s) that cannot be read: {'; '.join(unreadable)}.)")
+    without_audio = audio_problems([e.path for e in entries if e.is_video]) if audio != "off" else []
+    if without_audio and audio == "required":
+        problems.append(f"{len(without_audio)} clip(s) in {folder} have no sound and this model trains on it: "
+                        f"{'; '.join(without_audio)}. Give each clip an audio track (or remove it from the folder).")
+        without_audio = []
     control = ""
     if control_folder:
         try:
@@ -296,7 +313,7 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
     if problems:
         raise DatasetError("\n".join(problems))
     return DatasetSpec(str(folder), tuple(entries), resolution, repeats, tuple(skipped), tuple(empty),
-                       unreadable=tuple(unreadable),
+                       unreadable=tuple(unreadable), audio=audio, without_audio=tuple(without_audio),
                        buckets=buckets, control_folder=control, captions=captions, flip=flip, mask=mask,
                        mask_folder=str(mask_folder) if mask == "folder" else "")
 

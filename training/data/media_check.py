@@ -81,6 +81,20 @@ def video_problem(path: str) -> str | None:
     return None
 
 
+def audio_problems(paths: Iterable[str]) -> list[str]:
+    """``"<file name>: <why>"`` for each clip of ``paths`` without an audio track PyAV can decode (asked only
+    for families that train on sound; the container is opened, nothing is decoded). A track that is present
+    but silent is found when the Cache node reads it (audio.py ``SILENT``)."""
+    from .audio import track_problem
+
+    out = []
+    for path in paths:
+        problem = track_problem(path)
+        if problem:
+            out.append(f"{os.path.basename(path)}: {problem}")
+    return out
+
+
 def media_problems(paths: Iterable[str], video_extensions: tuple[str, ...]) -> list[str]:
     """``"<file name>: <why>"`` for each file of ``paths`` that cannot be read, in the given order."""
     out = []
