@@ -105,7 +105,7 @@ def test_training_with_the_adapter_is_training_on_the_merged_base(runs, merged_b
     assert len(with_adapter) == 3
     assert torch.allclose(torch.tensor(with_adapter), torch.tensor(on_merged), rtol=1e-5, atol=0), \
         (with_adapter, on_merged)
-    assert max(abs(p - a) / abs(p) for p, a in zip(plain, with_adapter)) > 1e-3, (plain, with_adapter)  # it took part
+    assert max(abs(p - a) / abs(p) for p, a in zip(plain, with_adapter, strict=True)) > 1e-3, (plain, with_adapter)  # it took part
     assert saved.keys() == saved_merged.keys()
     for key, value in saved.items():  # nothing of the adapter in the file: the merged-base run had none to save
         assert torch.allclose(value.float(), saved_merged[key].float(), rtol=1e-3, atol=1e-6), key
@@ -151,3 +151,49 @@ def test_checks_name_the_fix(fixture_paths, adapter_path, tmp_path):
     assert "1 key(s)" in text and "double_blocks.0.img_attn.qkv" in text and "SD3.5 Large Turbo" in text
     gguf = ModelRecipe("gguf", str(tmp_path / "model.gguf"))
     assert "cannot be merged into this quantized base" in problems(adapter_path, recipe=gguf)
+
+
+WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "api" / "pipetrainer_tiny_mmdit.json"
+
+
+def test_the_graph_samples_the_distilled_model_with_only_the_trained_lora(server, comfy_root, tmp_path):
+    """Through the server: Train LoRA after the Training Adapter node trains with the adapter (the run's recipe
+    merges it), and its MODEL output samples exactly like the stock LoraLoader with the saved file on the
+    distilled base: the adapter reaches neither the saved LoRA nor the MODEL the graph samples with."""
+    import json
+    import uuid
+
+    import numpy as np
+    from PIL import Image
+    from pipetrainer.devkit.host import history_error, output_images
+    from pipetrainer.training.spec.run_spec import RunSpec
+
+    name = f"adapter_{uuid.uuid4().hex[:6]}"
+    adapter = _adapter_file(comfy_root / "models" / "loras" / f"{name}_dedistill.safetensors")
+    prompt = json.loads(WORKFLOW.read_text())
+    prompt["30"] = {"class_type": "PipeTrainerTrainingAdapter",
+                    "inputs": {"model": ["1", 0], "adapter": adapter.name, "strength": STRENGTH}}
+    prompt["8"]["inputs"].update(model=["30", 0], lora_name=name, steps=4)
+    prompt["14"]["inputs"]["filename_prefix"] = name
+    entry = server.wait(server.queue(prompt), timeout=600)
+    assert history_error(entry) is None, server.log_tail()
+    [run_dir] = sorted((comfy_root / "output" / "pipetrainer" / "runs").glob(f"{name}-*"))
+    recipe = RunSpec.load(run_dir / "spec.json").model
+    assert [Path(p).name.startswith("training_adapter_") for p, _ in recipe.loras] == [True]
+    assert recipe.loras[0][1] == STRENGTH
+
+    stock = {k: v for k, v in json.loads(WORKFLOW.read_text()).items() if k in {"1", "2", "3", "9", "10", "11",
+                                                                                "12", "13", "14"}}
+    stock["20"] = {"class_type": "LoraLoaderModelOnly",
+                   "inputs": {"model": ["1", 0], "lora_name": f"{name}.safetensors", "strength_model": 1.0}}
+    stock["12"]["inputs"]["model"] = ["20", 0]
+    stock["14"]["inputs"]["filename_prefix"] = name + "_stock"
+    sampled = server.wait(server.queue(stock), timeout=300)
+    assert history_error(sampled) is None, server.log_tail()
+    [trained_image] = output_images(entry, comfy_root)[:1]
+    [stock_image] = output_images(sampled, comfy_root)
+
+    def pixels(path):
+        return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+    assert np.array_equal(pixels(trained_image), pixels(stock_image))
