@@ -94,3 +94,30 @@ def test_stack_text_pads_with_zero_tokens_and_cuts_to_the_length():
     assert torch.equal(padded[0, :3], a) and not padded[0, 3:].any() and torch.equal(padded[1], b)
     cut = stack_text([a, b], 4)
     assert cut.shape == (2, 4, 2) and torch.equal(cut[1], b[:4])
+
+
+def test_hidream_llama_stacks_of_two_lengths_share_a_micro_batch(comfy_root):
+    """Captions of more than 128 Llama tokens give Llama stacks ``[E, L, D]`` of their own ``L``: two of them
+    share a micro-batch, each brought to the longest with zero tokens after its own (the token axis is the
+    second), and HiDream's embed stage takes the batch."""
+    from pipetrainer.tests.family_rows.hidream import LLAMA, LLAMA_LAYERS, LLAMA_WIDTH, POOLED, TEXT, hidream_small
+
+    model = hidream_small().model  # skips on a ComfyUI without comfy.model_base.HiDream, naming it
+    adapter = adapter_for("HiDream")
+    g = torch.Generator().manual_seed(3)
+    lengths = [6, 9]
+    examples = [Example(torch.randn(16, 8, 6, generator=g), torch.randn(5, TEXT, generator=g),
+                        torch.randn(POOLED, generator=g),
+                        extras={LLAMA: torch.randn(LLAMA_LAYERS, n, LLAMA_WIDTH, generator=g)}) for n in lengths]
+    batches = MicroBatches(examples, 2, 5, model, adapter, TimestepSpec(), torch.device("cpu"),
+                           family_options=adapter.options_type())
+    inputs, _ = batches.build(0)
+    llama = inputs[-1]
+    assert llama.shape == (2, LLAMA_LAYERS, max(lengths), LLAMA_WIDTH)
+    for row in llama:
+        own = [e.extras[LLAMA] for e in examples if torch.equal(row[:, :e.extras[LLAMA].shape[1]], e.extras[LLAMA])]
+        assert len(own) == 1 and not row[:, own[0].shape[1]:].any()
+    layers = adapter.stage_layers(model.diffusion_model)
+    with torch.no_grad():
+        out = layers[0](inputs)
+    assert out[0].shape[0] == 2 and all(torch.isfinite(t).all() for t in out if t.is_floating_point())

@@ -154,6 +154,16 @@ def stack_text(conds: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
+def stack_padded(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[B, ...]`` of tensors of one rank whose sizes differ on some axes: each axis brought to the largest
+    size, zeros after an item's own values (ragged token sequences, wherever their token axis is)."""
+    sizes = [max(v.shape[axis] for v in values) for axis in range(values[0].ndim)]
+    out = values[0].new_zeros(len(values), *sizes)
+    for i, value in enumerate(values):
+        out[(i, *(slice(0, n) for n in value.shape))] = value
+    return out
+
+
 class MicroBatches:
     """Deterministic micro-batches: item order is a per-bucket stream of shuffles, noise is per micro-batch."""
 
@@ -373,8 +383,8 @@ class MicroBatches:
             else:
                 if spec.follows_text:
                     stacked = stack_text(values, text_length)
-                elif spec.shape[:1] == ("*",) and len({v.shape for v in values}) > 1:  # ragged token sequences
-                    stacked = stack_text(values, max(v.shape[0] for v in values))  # (T5 ids, ByT5): zeros after
+                elif "*" in spec.shape and len({v.shape for v in values}) > 1:  # ragged token sequences (T5
+                    stacked = stack_padded(values)  # ids, ByT5, HiDream's Llama layers): zeros after, any axis
                 else:
                     stacked = torch.stack(values)
             out[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked

@@ -42,8 +42,8 @@ Text: ComfyUI's HiDream text encoder (QuadrupleCLIPLoader: CLIP-L, CLIP-G, T5-XX
 T5 states as the cond (128 tokens), the pooled CLIP-L + CLIP-G vector (2048) as ``y``, and every Llama layer
 as ``conditioning_llama3`` (``extra_conds`` hands it as ``encoder_hidden_states_llama3``), which the cache
 keeps as a text extra ``[E, L, 4096]``. No text mask reaches the model. The Llama tokenizer pads every
-caption to 128 tokens; captions of more Llama tokens can share a micro-batch only with captions of the same
-count (the stacked extra has one length). The cached Llama stack is large (``E x L x 4096`` floats a caption).
+caption to 128 tokens; a caption of more Llama tokens shares a micro-batch with any other: the shorter Llama
+stacks get zero tokens appended, as every family's shorter conds do (training/data/micro_batches.py). The cached Llama stack is large (``E x L x 4096`` floats a caption).
 
 Text-to-image only: ``image_cond`` (HiDream E1's edit image, concatenated along the width) is not taken.
 
