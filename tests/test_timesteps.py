@@ -50,6 +50,7 @@ FAMILY_SAMPLING = {
     "Chroma": ("Chroma", {"image_model": "chroma"}, "FLUX"),  # mu 1.15, as Flux
     "Wan": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v"}, "FLOW"),  # shift 8.0
     "HunyuanVideo": ("HunyuanVideo", {"image_model": "hunyuan_video"}, "FLOW"),  # shift 7.0
+    "HunyuanVideo15": ("HunyuanVideo15", {"image_model": "hunyuan_video", "vision_in_dim": 1152}, "FLOW"),  # shift 7.0
     "Lumina2": ("Lumina2", {"image_model": "lumina2"}, "FLOW"),  # shift 6.0 (Z-Image's config: 3.0)
     "QwenImage": ("QwenImage", {"image_model": "qwen_image"}, "FLUX"),  # mu 1.15
     "SDXL": ("SDXL", {"model_channels": 320, "adm_in_channels": 2816}, "EPS"),  # 1000 discrete steps
@@ -69,6 +70,7 @@ FAMILY_SAMPLING = {
     "HiDream": ("HiDream", {"image_model": "hidream"}, "FLOW"),  # shift 1.0 (its config sets none; workflows add 3-6)
     "Omnigen2": ("Omnigen2", {"image_model": "omnigen2"}, "FLOW"),  # shift 2.6
     "Kandinsky5Image": ("Kandinsky5Image", {"image_model": "kandinsky5"}, "FLOW"),  # shift 3.0 (current ComfyUI only)
+    "Kandinsky5Video": ("Kandinsky5", {"image_model": "kandinsky5"}, "FLOW"),  # shift 10.0 (current ComfyUI only)
 }
 
 

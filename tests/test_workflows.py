@@ -184,6 +184,7 @@ EXAMPLES = {
     "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),
     "pipetrainer_wan22_ti2v": ("Wan", {"first_frame_clean": True}, set()),
     "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
+    "pipetrainer_hunyuan_video15": ("HunyuanVideo15", {"guidance": 1.0}, set()),
     "pipetrainer_ltxv": ("LTXV", {}, set()),
     "pipetrainer_krea2": ("Krea2", {}, set()),
     "pipetrainer_mage_flow": ("MageFlow", {}, set()),
@@ -196,6 +197,8 @@ EXAMPLES = {
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
+    "pipetrainer_kandinsky5_t2v": ("Kandinsky5Video", {}, set()),
+    "pipetrainer_kandinsky5_i2v": ("Kandinsky5Video", {"first_frame_clean": True}, set()),
 }
 LOADERS = {"PipeTrainerLoadDiffusionModel", "PipeTrainerLoadCheckpoint", "PipeTrainerLoadGGUF"}
 SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider", "DualModelGuider"}

@@ -303,6 +303,7 @@ def _text_tensors(cond: torch.Tensor, extras: Mapping[str, object]) -> dict[str,
 TEXT_EXTRAS = {"t5xxl_ids": False, "t5xxl_weights": False, "conditioning_byt5small": True, "conditioning_llama3": True}
 """Tensors a text encoder puts into ComfyUI's conditioning beside the states, which a model reads through its
 ``extra_conds``, with whether the encoder gives them with a batch dimension: Anima's T5 token ids and weights
-of the caption (unbatched; training/pipelines/anima.py), HunyuanImage 2.1's ByT5 states of the caption's quoted
-text (``[1, G, 1472]``, only for a caption with quoted text; training/pipelines/hunyuan_image.py), HiDream I1's
+of the caption (unbatched; training/pipelines/anima.py), HunyuanImage 2.1's and HunyuanVideo 1.5's ByT5 states of the
+caption's quoted text (``[1, G, 1472]``, only for a caption with quoted text; training/pipelines/hunyuan_image.py,
+hunyuan_video15.py), HiDream I1's
 Llama 3.1 layers (``[1, 32, L, 4096]``; training/pipelines/hidream.py)."""

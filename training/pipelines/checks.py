@@ -248,11 +248,25 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         else:
             fix = ("the model is not an image-to-video model: load the image-to-video model you meant to train, or "
                    "set start_image to none (and disconnect clip_vision) on 'Cache Latents & Text' and cache again")
-        out.append(f"The cache holds start-image conditioning the {family} model would ignore ({held}): {fix}.")
+        own = _family_start_image_problem(family)
+        if own:  # a family whose image-to-video conditioning the cache cannot make yet says why
+            out.append(f"The cache holds start-image conditioning ({held}): {own}.")
+        else:
+            out.append(f"The cache holds start-image conditioning the {family} model would ignore ({held}): {fix}.")
     for name, found in wrong.items():
         out.append(f"The cached '{name}' of {_named(found)} does not fit the {family} model: cache again with "
                    "this model's encoders.")
     return out
+
+
+def _family_start_image_problem(family: str) -> str | None:
+    """The adapter's own reason to refuse start-image conditioning (optional ``start_image_problem()``), if any."""
+    try:
+        adapter = adapter_for(family)
+    except UnknownFamilyError:
+        return None
+    check = getattr(adapter, "start_image_problem", None)
+    return check() if check is not None else None
 
 
 def _reference_file(name: str) -> str:

@@ -20,8 +20,9 @@ Token order differs by ComfyUI version: 0.3.75 builds the double blocks with ``f
 puts image tokens first (ids, attention mask, single-block sequence); current ComfyUI puts text first.
 The layers read the order from the blocks, so they follow ComfyUI's forward on both.
 
-Refused by name: image-to-video relatives (concatenated channels), HunyuanVideo 1.5 (ByT5 and vision
-inputs, condition-type embedding), MeanFlow distillations, HunyuanImage (2-D patches).
+Refused by name: image-to-video relatives (concatenated channels), MeanFlow distillations, HunyuanImage
+(2-D patches). HunyuanVideo 1.5 (``model_base.HunyuanVideo15``, a subclass) is its own family
+(:mod:`.hunyuan_video15`); this one refuses a network with 1.5's inputs under another class.
 
 Fixture tier (devkit/fixtures_video.py ``build_tiny_hunyuan_video``): detected by ComfyUI's own
 detection on 0.3.75 and current ComfyUI; hidden 128 (1 head), 1 + 1 blocks, text width 768 read from
@@ -73,10 +74,14 @@ def _support_problem(dm: nn.Module) -> str | None:
     if len(dm.patch_size) != 3:
         return "HunyuanImage (2-D patches) is not supported yet; HunyuanVideo text-to-video models are."
     if dm.in_channels != dm.out_channels:
-        return ("HunyuanVideo image-to-video models (image latents concatenated to the noise) are not supported "
-                "yet; HunyuanVideo text-to-video models are.")
+        return ("HunyuanVideo image-to-video models (HunyuanVideoI2V, SkyReels I2V) are not supported yet: they take the "
+                "start image encoded alone, zero frames after it, concatenated to the noise (HunyuanImageToVideo), and "
+                "HunyuanVideoI2V's prompt is encoded with the image's CLIP-vision tokens "
+                "(TextEncodeHunyuanVideo_ImageToVideo); the cache holds neither. HunyuanVideo text-to-video models are "
+                "supported.")
     if dm.byt5_in is not None or dm.vision_in is not None or dm.cond_type_embedding is not None:
-        return "HunyuanVideo 1.5 (ByT5 and vision inputs) is not supported yet; HunyuanVideo (1.0) models are."
+        return ("This network has HunyuanVideo 1.5 inputs (ByT5, vision, condition types) but is no HunyuanVideo15 "
+                "model class; HunyuanVideo 1.5 trains as the HunyuanVideo15 family (load it with ComfyUI's own loader).")
     if dm.time_r_in is not None:
         return "MeanFlow-distilled HunyuanVideo models are not supported yet; HunyuanVideo text-to-video models are."
     return None

@@ -35,16 +35,16 @@ the Qwen states after its image template (3584 wide) and CLIP-L's pooled vector 
 drops its attention mask when a caption has no padding (one caption per encode) and ComfyUI's forward reads
 no mask, so nothing else is cached; shorter captions of a micro-batch get zero tokens appended
 (:meth:`Kandinsky5ImageAdapter.text_length`), which take part in the text blocks' attention as ComfyUI's
-unmasked batched conds do. ``time_dim_replace`` (image-to-video's clean frames) is a video input: not taken.
+unmasked batched conds do. ``time_dim_replace`` (image-to-video's clean frames) is a video input (the video family).
 
 Latents are Flux VAE latents (16 channels, 4-D). ComfyUI pads odd sides but never crops its output, so an
 odd side fails in ComfyUI itself; the geometry's patch 2 makes preflight refuse it first.
 
-Not taken: the video class ``Kandinsky5`` (only ``Kandinsky5Image`` is registered, exactly: video comes with
-the video issue, so a video model is never silently trained as images; the registry names it as unsupported).
-Refused by name: a diffusion model that is not ComfyUI's ``Kandinsky5``, one whose patch input is wider than the
-latent (the video models' concatenated image and mask channels: video comes with the video issue), and one
-without visual blocks.
+Only ``Kandinsky5Image`` is registered here, exactly: ComfyUI's video class ``Kandinsky5`` is the
+``Kandinsky5Video`` family (training/pipelines/kandinsky5_video.py, which reuses these layers), so a video model
+is never trained as images. Refused by name: a diffusion model that is not ComfyUI's ``Kandinsky5``, one whose
+patch input is wider than the latent (the video models' concatenated image and mask channels), and one without
+visual blocks.
 
 Fixture tier: detection pins model width 2560 and Qwen 3584-wide text (billions of parameters), so the tests
 build a tiny model in memory from ComfyUI's own ``Kandinsky5Image`` config class
@@ -85,7 +85,8 @@ def _support_problem(dm: nn.Module) -> str | None:
     if dm.visual_embeddings.in_layer.in_features != dm.in_visual_dim * patch:
         return (f"This Kandinsky 5 model takes {dm.visual_embeddings.in_layer.in_features // patch} input channels per "
                 f"pixel for {dm.in_visual_dim} latent channels (a video model's image and mask channels concatenated "
-                "to the latent): video comes with the video issue; Kandinsky 5 Image models are supported.")
+                "to the latent): load it as a video model (ComfyUI's Kandinsky5 class, the Kandinsky5Video family); "
+                "Kandinsky 5 Image models are supported here.")
     if len(dm.visual_transformer_blocks) == 0:
         return "This Kandinsky 5 model has no visual transformer blocks; nothing to train."
     return None
@@ -167,22 +168,25 @@ class Kandinsky5VisualBlock(_Rope):
 
 
 class Kandinsky5Final(StageLayer):
-    """ComfyUI's ``out_layer`` over the patch grid; the frame axis of the image dropped."""
+    """ComfyUI's ``out_layer`` over the patch grid; the frame axis of an image dropped (``keep_frames``: a
+    video's kept, as ``_forward`` squeezes only a 4-D input; a 1-frame video stays 5-D)."""
 
-    def __init__(self, dm: nn.Module):
+    def __init__(self, dm: nn.Module, keep_frames: bool = False):
         super().__init__()
         self.adopt("out_layer", dm.out_layer, "out_layer")
+        self.keep_frames = keep_frames
 
     def forward(self, inputs):
         visual, time_embed, meta = inputs
         grid = [int(v) for v in meta[3:]]
         out = self.out_layer(visual.reshape(visual.shape[0], *grid, -1), time_embed)
-        return out.squeeze(2)
+        return out if self.keep_frames else out.squeeze(2)
 
 
 class Kandinsky5ImageAdapter:
     name = FAMILY
     options_type = NoOptions
+    keep_frames = False  # the video family (kandinsky5_video.py) keeps the frame axis
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)
@@ -193,7 +197,8 @@ class Kandinsky5ImageAdapter:
         refuse_unsupported(self, dm)
         n_text, n = len(dm.text_transformer_blocks), len(dm.visual_transformer_blocks)
         return [Kandinsky5Embed(dm), *(Kandinsky5TextBlock(dm, i) for i in range(n_text)),
-                *(Kandinsky5VisualBlock(dm, i, first=i == 0, last=i == n - 1) for i in range(n)), Kandinsky5Final(dm)]
+                *(Kandinsky5VisualBlock(dm, i, first=i == 0, last=i == n - 1) for i in range(n)),
+                Kandinsky5Final(dm, keep_frames=self.keep_frames)]
 
     def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
         dm = diffusion_model
