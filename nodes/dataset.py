@@ -12,6 +12,7 @@ from comfy_api.latest import io, ui
 from ..training.data.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
 from ..training.data.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
 from ..training.data.dataset_masks import FLIP_MODES, MASK_MODES
+from .advanced import advanced
 from .types import CATEGORY, Dataset
 
 
@@ -55,60 +56,60 @@ class PipeTrainerDataset(io.ComfyNode):
                                        "them, 'empty' trains them with an empty caption (both reported)."),
                 io.Int.Input("aspect_buckets", default=1, min=1, max=64, optional=True,
                              tooltip="Number of aspect-ratio buckets, log-spaced between min and max ratio; "
-                                     "1 = square only. Each item goes to the bucket closest to its shape."),
+                                     "1 = square only. Each item goes to the bucket closest to its shape.", **advanced()),
                 io.Float.Input("min_ratio", default=0.5, min=0.1, max=1.0, step=0.05, optional=True,
-                               tooltip="Narrowest bucket (width / height), e.g. 0.5 for 1:2 portraits."),
+                               tooltip="Narrowest bucket (width / height), e.g. 0.5 for 1:2 portraits.", **advanced()),
                 io.Float.Input("max_ratio", default=2.0, min=1.0, max=10.0, step=0.05, optional=True,
-                               tooltip="Widest bucket (width / height), e.g. 2.0 for 2:1 landscapes."),
+                               tooltip="Widest bucket (width / height), e.g. 2.0 for 2:1 landscapes.", **advanced()),
                 io.String.Input("extra_resolutions", default="", optional=True,
                                 tooltip="More training resolutions, comma-separated (e.g. '256, 768'): every item "
-                                        "is cached once per resolution (multi-resolution training)."),
+                                        "is cached once per resolution (multi-resolution training).", **advanced()),
                 io.Float.Input("video_fps", default=16.0, min=1.0, max=120.0, step=1.0, optional=True,
-                               tooltip="Videos are resampled to this frame rate before cutting frame buckets."),
+                               tooltip="Videos are resampled to this frame rate before cutting frame buckets.", **advanced()),
                 io.Int.Input("max_frames", default=33, min=1, max=1024, optional=True,
-                             tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames."),
+                             tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
                                 tooltip="Edit models (Kontext, Qwen-Image-Edit): folder of reference images "
                                         "named like the training images: name.png is the first reference of "
                                         "training image name, name_1.png the second, and so on. Every training "
                                         "image needs one; unpaired files are errors. Relative paths are inside "
-                                        "ComfyUI's input folder; empty = no references."),
+                                        "ComfyUI's input folder; empty = no references.", **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Share of items trained on the empty caption instead of their own, drawn "
                                        "per item and step (0.05-0.1 is usual; helps prompt-less use and CFG). "
                                        "The empty caption is encoded once, as 'CLIP Text Encode' encodes an empty "
-                                       "prompt. 0 = off."),
+                                       "prompt. 0 = off.", **advanced()),
                 io.Int.Input("shuffle_tags", default=0, min=0, max=MAX_SHUFFLE_VARIANTS, optional=True,
                              tooltip="Tag shuffle for tag-list captions ('1girl, red hair, smiling'): how many "
                                      "shuffled versions of each caption are cached (text embeddings are cached, "
                                      "so each version is encoded once and training draws one of them per item "
                                      "and step). 0 = off: the caption as written. More versions = more variety "
-                                     "and more cache."),
+                                     "and more cache.", **advanced()),
                 io.Int.Input("keep_tags", default=1, min=0, max=64, optional=True,
                              tooltip="With shuffle_tags: the first N tags stay in place (e.g. the trigger word); "
-                                     "0 shuffles every tag."),
+                                     "0 shuffles every tag.", **advanced()),
                 io.String.Input("tag_separator", default=",", optional=True,
-                                tooltip="With shuffle_tags: what separates the tags of a caption (usually ',')."),
+                                tooltip="With shuffle_tags: what separates the tags of a caption (usually ',').", **advanced()),
                 io.String.Input("prompt_prefix", default="", optional=True,
                                 tooltip="Text your sampling graph's text-encode node puts before every prompt; it "
                                         "goes before every caption and the empty caption, so training encodes what "
                                         "sampling does. Lumina 2: CLIP Text Encode (Lumina 2)'s system prompt "
                                         "followed by ' <Prompt Start> ' (see its example workflow). Empty for most "
-                                        "models. Not for trigger words: write those into the captions."),
+                                        "models. Not for trigger words: write those into the captions.", **advanced()),
                 io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
                                tooltip="'random': each item also trains mirrored left-right, half the time. The "
                                        "mirrored image is encoded by the VAE once and cached (a second latent per "
                                        "item). Not for edit datasets (control folder), nor for subjects whose "
-                                       "sides matter (text, asymmetric logos)."),
+                                       "sides matter (text, asymmetric logos).", **advanced()),
                 io.Combo.Input("mask", options=list(MASK_MODES), default="none", optional=True,
                                tooltip="Masked loss: white areas train, black areas are ignored, grey weighs in "
                                        "between. 'alpha': each image's transparency is its mask (every image needs "
                                        "an alpha channel); 'folder': mask images from mask_folder. Masks are "
-                                       "cached with the latents."),
+                                       "cached with the latents.", **advanced()),
                 io.String.Input("mask_folder", default="", optional=True,
                                 tooltip="With mask 'folder': one mask image per training file, named like it "
                                         "(name.png for name.jpg; one mask per video clip). Missing or unpaired "
-                                        "masks are errors. Relative paths are inside ComfyUI's input folder."),
+                                        "masks are errors. Relative paths are inside ComfyUI's input folder.", **advanced()),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],

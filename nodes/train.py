@@ -20,6 +20,7 @@ from ..training.pipelines.options import options_from_inputs, parse_family_optio
 from ..training.spec.choices import PARTITION_METHODS, TRAIN_DTYPES, SpecError
 from ..training.spec.options import BLOCKS_TO_SWAP_AUTO, RegularizationSpec, TimestepSpec, TrainSpec, ValidationSpec
 from ..training.spec.run_spec import RunSpec
+from .advanced import advanced
 from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
@@ -74,7 +75,7 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("steps", default=500, min=1, max=1_000_000, tooltip="Optimizer steps to train."),
                 io.Int.Input("batch_size", default=1, min=1, max=256, tooltip="Examples per micro-batch."),
                 io.Int.Input("gradient_accumulation", default=1, min=1, max=1024,
-                             tooltip="Micro-batches per optimizer step (also the pipeline's micro-batches)."),
+                             tooltip="Micro-batches per optimizer step (also the pipeline's micro-batches).", **advanced()),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=False,
                              tooltip="Seed for LoRA init, data order, noise and timesteps: same seed, same run. "
                                      "It stays as set after each queue (a new seed is a new run: resume "
@@ -87,20 +88,20 @@ class PipeTrainerTrain(io.ComfyNode):
                                        "This wins over ComfyUI's precision flags (--force-fp32, --bf16-unet, ...): "
                                        "the run log notes each flag it set aside."),
                 io.Boolean.Input("gradient_checkpointing", default=True,
-                                 tooltip="Recompute activations in backward: much less memory, ~30% slower."),
+                                 tooltip="Recompute activations in backward: much less memory, ~30% slower.", **advanced()),
                 io.Int.Input("pipeline_stages", default=1, min=1, max=64,
                              tooltip="Split the model over this many GPUs (pipeline parallel); 1 = one device."),
                 io.Int.Input("data_parallel", default=1, min=1, max=64, optional=True,
                              tooltip="Copies of the whole pipeline that split each batch (data parallel); "
-                                     "ranks = pipeline_stages x data_parallel."),
+                                     "ranks = pipeline_stages x data_parallel.", **advanced()),
                 io.String.Input("gpus", default="", optional=True,
                                 tooltip="GPUs for the ranks, one per rank in rank order, e.g. '0,1,2,3' (ComfyUI's "
                                         "GPU numbers, counted after --cuda-device / CUDA_VISIBLE_DEVICES). Empty: "
                                         "ComfyUI's first pipeline_stages x data_parallel GPUs. Leave it empty when "
-                                        "ComfyUI runs on the CPU."),
+                                        "ComfyUI runs on the CPU.", **advanced()),
                 io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
                              tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
-                                     "recompute boundaries, more memory)."),
+                                     "recompute boundaries, more memory).", **advanced()),
                 io.Int.Input("blocks_to_swap", default=0, min=BLOCKS_TO_SWAP_AUTO, max=1024, optional=True,
                              tooltip="Per pipeline stage: keep the frozen weights of the last N transformer blocks "
                                      "in CPU memory and bring each block to the GPU only while it runs (LoRA "
@@ -109,7 +110,7 @@ class PipeTrainerTrain(io.ComfyNode):
                                      "its GPU's free memory (the plan is shown here and in the run log). "
                                      "On CPU it is accepted and changes nothing (auto: 0)."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
-                               tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts."),
+                               tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts.", **advanced()),
                 TimestepConfig.Input("timesteps", optional=True,
                                      tooltip="From 'Timestep Sampling (PipeTrainer)'. Unconnected: uniform through the "
                                              "model's own sampling (its shift, or a ModelSampling* node's before this "
@@ -143,14 +144,14 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
                                tooltip="Wan 2.2 A14B: which expert file this model is. Training then draws only that "
                                        "expert's noise levels (high_noise: sigma at or above the boundary). Recorded "
-                                       "in the LoRA file. Other families do not use it."),
+                                       "in the LoRA file. Other families do not use it.", **advanced()),
                 io.Float.Input("expert_boundary", default=0.0, min=0.0, max=0.999, step=0.005, optional=True,
                                tooltip="Wan 2.2 A14B expert boundary sigma; 0 = the Wan 2.2 default (0.875 "
-                                       "text-to-video, 0.9 image-to-video)."),
+                                       "text-to-video, 0.9 image-to-video).", **advanced()),
                 io.Float.Input("frame_rate", default=25.0, min=0.01, max=1000.0, step=0.001, optional=True,
                                tooltip="LTX-Video: the clips' frames per second, the frame_rate its "
                                        "LTXVConditioning node gets at sampling (it sets the model's time "
-                                       "positions). Other families do not use it."),
+                                       "positions). Other families do not use it.", **advanced()),
                 PreviewConfig.Input("previews", optional=True,
                                     tooltip="From 'Preview Settings (PipeTrainer)': every N steps, that step's LoRA "
                                             "rendered by ComfyUI's own LoRA loader and sampler, shown here as it "
