@@ -10,6 +10,7 @@ from ..training.adapters.block_range import BlockRangeError, parse_blocks
 from ..training.adapters.init_lora import file_digest
 from ..training.spec.choices import ADAPTER_TYPES, SAVE_DTYPES, TARGET_PRESETS, SpecError
 from ..training.spec.options import LoraSpec
+from .node_problems import refuse_once
 from .types import CATEGORY, LoraConfig
 
 
@@ -65,11 +66,11 @@ class PipeTrainerLoRA(io.ComfyNode):
                         factor: int | None = -1, blocks: str | None = "") -> bool | str:
         """The inputs that combine with the adapter type (a linked one has no value yet: :meth:`execute`
         checks). ``factor`` is ignored unless the type is lokr, so switching types never fails on it.
-        ``blocks`` syntax only: its range against the model is the Train node's preflight."""
+        ``blocks`` syntax only: its range against the model is the Train node's preflight. Reported once on
+        the node (nodes/node_problems.py)."""
         if adapter is None or dropout is None or factor is None or blocks is None:
             return True
-        problems = cls._spec(8, 8.0, dropout, "attention_mlp", adapter, factor, "bf16", blocks).problems()
-        return "\n".join(problems) if problems else True
+        return refuse_once(cls._spec(8, 8.0, dropout, "attention_mlp", adapter, factor, "bf16", blocks).problems())
 
     @classmethod
     def fingerprint_inputs(cls, init_lora: str | None = "none", **_: object) -> object:

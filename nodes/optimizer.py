@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..training.optim.optimizers import missing_package_problem
 from ..training.spec.choices import OPTIMIZERS, SCHEDULES, SpecError
 from ..training.spec.options import OptimizerSpec
+from .node_problems import refuse_once
 from .types import CATEGORY, OptimizerConfig
 
 
@@ -57,9 +58,9 @@ class PipeTrainerOptimizer(io.ComfyNode):
     def validate_inputs(cls, optimizer: str | None = None, learning_rate: float | None = None,
                         schedule: str | None = None, min_lr_ratio: float | None = 0.0, cycles: int | None = 1,
                         lora_plus_ratio: float | None = 0.0, ema_decay: float | None = 0.0) -> bool | str:
-        """The inputs that combine: ComfyUI attaches the one message to each of them (and skips its own
-        range and choice checks of them, which :meth:`OptimizerSpec.problems` makes). A linked input has no
-        value yet (None): then :meth:`execute` checks; an absent optional one has its default.
+        """The inputs that combine (ComfyUI skips its own range and choice checks of them, which
+        :meth:`OptimizerSpec.problems` makes), reported once on the node (nodes/node_problems.py). A linked
+        input has no value yet (None): then :meth:`execute` checks; an absent optional one has its default.
         warmup_steps against the run's steps: the Train node."""
         values = (optimizer, learning_rate, schedule, min_lr_ratio, cycles, lora_plus_ratio, ema_decay)
         if any(v is None for v in values):
@@ -70,7 +71,7 @@ class PipeTrainerOptimizer(io.ComfyNode):
         missing = missing_package_problem(optimizer)
         if missing:
             problems.append(missing)
-        return "\n".join(problems) if problems else True
+        return refuse_once(problems)
 
     @classmethod
     def execute(cls, optimizer: str, learning_rate: float, weight_decay: float, warmup_steps: int,

@@ -6,6 +6,7 @@ from comfy_api.latest import io
 
 from ..training.spec.choices import LOSS_WEIGHTINGS, TIMESTEP_DISTRIBUTIONS, TIMESTEP_SHIFTS
 from ..training.spec.options import TimestepSpec
+from .node_problems import refuse_once
 from .types import CATEGORY, TimestepConfig
 
 
@@ -52,8 +53,8 @@ class PipeTrainerTimesteps(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, sigma_min: float = 0.0, sigma_max: float = 1.0) -> bool | str:
-        problems = TimestepSpec(sigma_min=sigma_min, sigma_max=sigma_max).problems()
-        return "\n".join(problems) if problems else True
+        """The sigma range, reported once on the node (nodes/node_problems.py)."""
+        return refuse_once(TimestepSpec(sigma_min=sigma_min, sigma_max=sigma_max).problems())
 
     @classmethod
     def execute(cls, distribution: str, shift: str, shift_value: float, logit_mean: float, logit_std: float,

@@ -299,6 +299,7 @@ def test_spec_problems_for_adapter_combinations(tmp_path):
 
 def test_the_lora_adapter_node_offers_the_types_and_saves_bf16_by_default(comfy_root):
     from pipetrainer.nodes.lora_adapter import PipeTrainerLoRA
+    from pipetrainer.nodes.node_problems import NodeProblems
     from pipetrainer.training.spec.choices import SpecError
 
     spec = PipeTrainerLoRA.execute(8, 8.0, 0.0, "attention_mlp").result[0]
@@ -306,7 +307,8 @@ def test_the_lora_adapter_node_offers_the_types_and_saves_bf16_by_default(comfy_
     spec = PipeTrainerLoRA.execute(8, 8.0, 0.0, "attention_mlp", adapter="loha", factor=4, save_dtype="fp32").result[0]
     assert (spec.adapter, spec.factor, spec.save_dtype) == ("loha", -1, "fp32")  # factor is LoKr's only
     assert PipeTrainerLoRA.execute(8, 8.0, 0.0, "attention", adapter="lokr", factor=4).result[0].factor == 4
-    assert "dropout" in PipeTrainerLoRA.validate_inputs(adapter="lokr", dropout=0.1, factor=-1)
+    with pytest.raises(NodeProblems, match="dropout"):  # listed once on the node (nodes/node_problems.py)
+        PipeTrainerLoRA.validate_inputs(adapter="lokr", dropout=0.1, factor=-1)
     assert PipeTrainerLoRA.validate_inputs(adapter="lokr", dropout=0.0, factor=4) is True
     with pytest.raises(SpecError):
         PipeTrainerLoRA.execute(8, 8.0, 0.2, "attention", adapter="loha")

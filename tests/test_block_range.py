@@ -121,11 +121,13 @@ def test_an_out_of_range_block_is_a_preflight_error_naming_the_count(fixture_pat
 
 def test_blocks_syntax_is_a_spec_and_node_problem_and_part_of_the_training_hash(tmp_path, comfy_root):
     from pipetrainer.nodes.lora_adapter import PipeTrainerLoRA
+    from pipetrainer.nodes.node_problems import NodeProblems
     from pipetrainer.training.spec.options import LoraSpec
     from pipetrainer.training.spec.run_spec import RunSpec
 
     assert any("not a block number" in p for p in LoraSpec(blocks="0-x").problems())
-    assert "not a block number" in PipeTrainerLoRA.validate_inputs(blocks="first two")
+    with pytest.raises(NodeProblems, match="not a block number"):
+        PipeTrainerLoRA.validate_inputs(blocks="first two")
     assert PipeTrainerLoRA.validate_inputs(blocks="0-3, single:1") is True
     out = PipeTrainerLoRA.execute(8, 8.0, 0.0, "attention", blocks=" 0 -3 ,single:1").args[0]
     assert out.blocks == "0-3, single:1"  # canonical text: spacing does not change the hash

@@ -26,7 +26,7 @@ from pipetrainer.training.spec.options import TrainSpec
 PACK_DIR = Path(__file__).resolve().parent.parent
 WORKFLOWS = PACK_DIR / "workflows"
 WORKFLOW = WORKFLOWS / "api" / "pipetrainer_tiny_mmdit.json"
-TRAIN, CACHE, DATASET, OPTIMIZER = "8", "5", "4", "7"
+TRAIN, CACHE, DATASET, LORA, OPTIMIZER = "8", "5", "4", "6", "7"
 OURS = ("PipeTrainerLoadDiffusionModel", "PipeTrainerDataset", "PipeTrainerCache", "PipeTrainerLoRA",
         "PipeTrainerOptimizer", "PipeTrainerTimesteps", "PipeTrainerTrain")
 
@@ -64,17 +64,29 @@ def test_a_bad_lora_name_is_refused_on_that_widget_and_nothing_runs(server, comf
     assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob("*evil*"))
 
 
-@pytest.mark.parametrize(("node", "field", "value", "fragment", "widgets"), [
-    (DATASET, "extra_resolutions", "256, big", "whole numbers", {"extra_resolutions"}),
-    # The Optimizer node's inputs that combine share one message, on each of them that the prompt sets.
-    (OPTIMIZER, "optimizer", "SGD", "Optimizer 'SGD' is not one of", {"optimizer", "learning_rate", "schedule"}),
-])
-def test_other_free_inputs_are_refused_on_their_own_widget(server, node, field, value, fragment, widgets):
+def test_a_free_input_is_refused_on_its_own_widget(server):
     prompt = _workflow()
-    prompt[node]["inputs"][field] = value
-    errors = _refused(server, prompt)["node_errors"][node]["errors"]
-    assert {e["extra_info"]["input_name"] for e in errors} == widgets, errors
-    assert fragment in errors[0]["details"]
+    prompt[DATASET]["inputs"]["extra_resolutions"] = "256, big"
+    errors = _refused(server, prompt)["node_errors"][DATASET]["errors"]
+    assert {e["extra_info"]["input_name"] for e in errors} == {"extra_resolutions"}, errors
+    assert "whole numbers" in errors[0]["details"]
+
+
+def test_problems_of_combined_inputs_come_once_per_node_in_one_answer(server):
+    """A LoKr with dropout and a Prodigy with a small learning rate and LoRA+ (problems of several inputs
+    each) in one queue: one answer lists both nodes, each problem once, one per line (nodes/node_problems.py)."""
+    prompt = _workflow()
+    prompt[LORA]["inputs"].update(adapter="lokr", dropout=0.1)
+    prompt[OPTIMIZER]["inputs"].update(optimizer="Prodigy", learning_rate=1e-4, lora_plus_ratio=16.0)
+    answer = _refused(server, prompt)
+    assert {LORA, OPTIMIZER} <= set(answer["node_errors"]), answer["node_errors"]
+    shown = [e["details"] for errors in answer["node_errors"].values() for e in errors["errors"]]  # the dialog
+    for node, fragments in ((LORA, ["dropout"]), (OPTIMIZER, ["wants learning_rate 1.0", "LoRA+ cannot raise"])):
+        [error] = answer["node_errors"][node]["errors"]  # once on the node, not once per input
+        lines = error["details"].splitlines()
+        for fragment in fragments:
+            assert sum(fragment in line for line in lines) == 1, (fragment, lines)
+            assert sum(fragment in details for details in shown) == 1, (fragment, shown)  # nowhere else
 
 
 # ---- names and defaults ------------------------------------------------------------------------
