@@ -36,6 +36,7 @@ from .run.previews import PreviewRunner
 from .run.progress_text import show_text
 from .run.warm_pool import WarmPool
 from .types import CATEGORY, Cache, LoraConfig, LoraModel, LossMap, OptimizerConfig, TimestepConfig, ValidationConfig
+from .validation import hold_out_note
 
 PREVIEW_EVERY_S = 2.0
 # This ComfyUI process's pre-started training tree for the next run (state, not configuration).
@@ -230,6 +231,8 @@ class PipeTrainerTrain(io.ComfyNode):
             else:
                 if settings["validation"].cache is not None:
                     problems += preflight.validation_cache_problems(model, validation.items)
+                if notes is not None:  # the hold-out is shown on the node before step 0
+                    notes.append(hold_out_note(validation, settings["validation"].cache is not None))
         regularization = RegularizationSpec()
         if settings.get("regularization") is not None:
             try:

@@ -38,6 +38,14 @@ class ValidationChoice:
         return train, ValidationSpec(items=held, every=self.every, sigmas=self.sigmas)
 
 
+def hold_out_note(validation: ValidationSpec, own_cache: bool, shown: int = 5) -> str:
+    """The line Train LoRA shows before step 0 (and the run log keeps): which images the loss is measured on."""
+    names = sorted({item.source for item in validation.items})
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    where = "from the validation cache" if own_cache else "held out of the training cache, never trained on"
+    return f"validation: {len(names)} image(s) {where}, every {validation.every} steps: {listed}"
+
+
 class PipeTrainerValidation(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:

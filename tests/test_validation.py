@@ -165,3 +165,24 @@ def test_the_validation_node_holds_out_a_fraction_or_takes_its_own_cache(comfy_r
     assert train == items and spec.items == own.items[:2]
     with pytest.raises(SpecError, match="holds out every item"):
         ValidationChoice(every=10, fraction=0.9, sigmas=2).split(items[:1])
+
+
+def test_train_lora_names_the_held_out_images_before_step_0(fixture_paths, demo_cache):
+    """The hold-out is shown on the Train node (its notes lead the progress text and the run log)."""
+    from pipetrainer.nodes.model_source import PipeTrainerLoadDiffusionModel
+    from pipetrainer.nodes.train import PipeTrainerTrain
+    from pipetrainer.nodes.validation import ValidationChoice
+    from pipetrainer.training.spec.options import LoraSpec, OptimizerSpec
+
+    model = PipeTrainerLoadDiffusionModel.execute(fixture_paths.mmdit.name, "default").result[0]
+    notes: list[str] = []
+    spec = PipeTrainerTrain.build_spec(
+        model, demo_cache, LoraSpec(rank=4, alpha=4.0), OptimizerSpec(), "hold_out_note", notes=notes, steps=10,
+        batch_size=1, gradient_accumulation=1, seed=0, save_every=0, training_dtype="fp32",
+        gradient_checkpointing=True, pipeline_stages=1, partition_method="parameters",
+        validation=ValidationChoice(every=5, fraction=0.3, sigmas=2))
+    [note] = [n for n in notes if n.startswith("validation:")]
+    held = {item.source for item in spec.validation.items}
+    assert held and all(name in note for name in held), (note, held)
+    assert not held & {item.source for item in spec.items}  # what it names is never trained on
+    assert "never trained on" in note and "every 5 steps" in note
