@@ -284,7 +284,9 @@ class ComfyEncoders:
 
 
 def _text_tensors(cond: torch.Tensor, extras: Mapping[str, object]) -> dict[str, torch.Tensor]:
-    """The cached tensors of one encoded caption: ``cond``, and ``pooled`` and the attention mask where given."""
+    """The cached tensors of one encoded caption: ``cond``, and ``pooled`` and the attention mask where given,
+    and the encoder's extra outputs a registered family reads through its ``extra_conds`` (Anima's T5 ids and
+    weights, the ByT5 glyph states of quoted text, HiDream's Llama layers: training/pipelines/text_extras.py)."""
     out = {"cond": cond[0].to(torch.float32).cpu().contiguous()}
     pooled = extras.get("pooled_output")
     if pooled is not None:
@@ -292,18 +294,12 @@ def _text_tensors(cond: torch.Tensor, extras: Mapping[str, object]) -> dict[str,
     mask = extras.get(TEXT_ATTENTION_MASK)
     if mask is not None:
         out[TEXT_ATTENTION_MASK] = mask[0].cpu().contiguous()
-    for name, batched in TEXT_EXTRAS.items():
+    from ..pipelines.text_extras import cached_text_extras  # what the registered families read from the encoder
+
+    for name, batched in cached_text_extras().items():
         value = extras.get(name)
         if isinstance(value, torch.Tensor):
             value = value[0] if batched else value
             out[name] = (value.to(torch.float32) if value.is_floating_point() else value).cpu().contiguous()
     return out
 
-
-TEXT_EXTRAS = {"t5xxl_ids": False, "t5xxl_weights": False, "conditioning_byt5small": True, "conditioning_llama3": True}
-"""Tensors a text encoder puts into ComfyUI's conditioning beside the states, which a model reads through its
-``extra_conds``, with whether the encoder gives them with a batch dimension: Anima's T5 token ids and weights
-of the caption (unbatched; training/pipelines/anima.py), HunyuanImage 2.1's and HunyuanVideo 1.5's ByT5 states of the
-caption's quoted text (``[1, G, 1472]``, only for a caption with quoted text; training/pipelines/hunyuan_image.py,
-hunyuan_video15.py), HiDream I1's
-Llama 3.1 layers (``[1, 32, L, 4096]``; training/pipelines/hidream.py)."""

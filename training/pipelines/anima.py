@@ -88,6 +88,7 @@ class AnimaEmbed(CosmosEmbed):
 
 class AnimaAdapter(CosmosPredict2Adapter):
     name = FAMILY
+    text_extras = {T5_IDS: False, T5_WEIGHTS: False}  # kept by the cache (text_extras.py): unbatched
     text_encoder = "Anima's Qwen3 0.6B text encoder (CLIPLoader type stable_diffusion, as ComfyUI's template)"
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:

@@ -232,6 +232,7 @@ class HiDreamFinal(StageLayer):
 class HiDreamAdapter:
     name = FAMILY
     options_type = NoOptions
+    text_extras = {LLAMA: True}  # kept by the cache (text_extras.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

@@ -178,6 +178,7 @@ class HunyuanImageFinal(StageLayer):
 class HunyuanImageAdapter:
     name = FAMILY
     options_type = HunyuanVideoOptions  # guidance, for the guidance-distilled models
+    text_extras = {BYT5: True}  # kept by the cache (text_extras.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

@@ -202,6 +202,7 @@ class HunyuanVideo15Single(HunyuanSingleBlock):
 class HunyuanVideo15Adapter:
     name = FAMILY
     options_type = HunyuanVideoOptions  # guidance, for a guidance-distilled model
+    text_extras = {BYT5: True}  # kept by the cache (text_extras.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)
