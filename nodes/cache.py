@@ -102,5 +102,6 @@ class PipeTrainerCache(io.ComfyNode):
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")
-        show_text(report, cls.hidden.unique_id if cls.hidden is not None else None)  # drawn on the node
-        return io.NodeOutput(result, report, ui=ui.PreviewText(report))
+        shown = result.report.summary()  # the node keeps a few files of each kind; the output lists them all
+        show_text(shown, cls.hidden.unique_id if cls.hidden is not None else None)  # drawn on the node
+        return io.NodeOutput(result, report, ui=ui.PreviewText(shown))

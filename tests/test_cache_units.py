@@ -133,3 +133,20 @@ def test_an_old_index_gains_the_new_source_columns(tmp_path):
     assert (source.ctime_ns, source.inode) == (None, None)
     assert not source.unchanged(os.stat(tmp_path / "index.sqlite"))  # hashed again, never trusted
     index.close()
+
+
+def test_the_report_on_the_node_keeps_the_counts_and_a_few_files_of_each_kind():
+    """The node's own text is short enough not to be cut by the node; the ``report`` output keeps every file."""
+    from collections import Counter
+
+    from pipetrainer.training.cache.store import CacheReport
+
+    report = CacheReport(cached=Counter(latent=2, text=2), skipped=[f"f{i}.png: cannot read it" for i in range(10)],
+                         reencoded=["a.png latent: VAE changed"], notes=["a note"], buckets=Counter({"64x64x1": 2}))
+    lines = report.summary().splitlines()
+    assert lines[0] == report.text().splitlines()[0] and "buckets: 64x64x1 (2)" in lines and "a note" in lines
+    assert [line for line in lines if line.startswith("skipped f")] == [f"skipped f{i}.png: cannot read it"
+                                                                        for i in range(3)]
+    assert "skipped 7 more: the node's report output lists every file" in lines
+    assert "re-encoded a.png latent: VAE changed" in lines and not any("1 more" in line for line in lines)
+    assert all(f"f{i}.png" in report.text() for i in range(10))

@@ -101,6 +101,17 @@ class CacheReport:
         lines += [f"skipped {s}" for s in self.skipped]
         return "\n".join(lines + self.notes)
 
+    def summary(self, per_kind: int = 3) -> str:
+        """:meth:`text` short enough to read on the node: the counts, the notes, and at most ``per_kind``
+        re-encoded and skipped files each, with how many more the ``report`` output lists."""
+        full = self.text().splitlines()
+        head = [line for line in full if not line.startswith(("re-encoded ", "skipped "))]
+        for prefix, files in (("re-encoded", self.reencoded), ("skipped", self.skipped)):
+            head += [f"{prefix} {f}" for f in files[:per_kind]]
+            if len(files) > per_kind:
+                head.append(f"{prefix} {len(files) - per_kind} more: the node's report output lists every file")
+        return "\n".join(head)
+
 
 @dataclass(frozen=True)
 class CacheResult:
