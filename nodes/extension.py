@@ -8,6 +8,7 @@ from .cache import PipeTrainerCache
 from .checkpoint_source import PipeTrainerLoadCheckpoint
 from .dataset import PipeTrainerDataset
 from .gguf_source import PipeTrainerLoadGGUF
+from .gpus_memory import PipeTrainerGpusMemory
 from .lora_adapter import PipeTrainerLoRA
 from .model_source import PipeTrainerLoadDiffusionModel
 from .optimizer import PipeTrainerOptimizer
@@ -31,6 +32,7 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerRegularization,
     PipeTrainerPreviewSettings,
     PipeTrainerTrainingAdapter,
+    PipeTrainerGpusMemory,
     PipeTrainerTrain,
 ]
 

@@ -25,6 +25,7 @@ from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
 from .checks.training_adapter import training_adapter_problems, with_training_adapter
+from .gpus_memory import GpusMemoryConfig
 from .model_source import no_recipe_message, recipe_of
 from .preview_settings import PreviewConfig, preview_save_every
 from .regularization import RegularizationConfig
@@ -157,6 +158,9 @@ class PipeTrainerTrain(io.ComfyNode):
                                     tooltip="From 'Preview Settings (PipeTrainer)': every N steps, that step's LoRA "
                                             "rendered by ComfyUI's own LoRA loader and sampler, shown here as it "
                                             "arrives and saved in the run folder (previews/)."),
+                GpusMemoryConfig.Input("gpus_and_memory", optional=True,
+                                       tooltip="From 'GPUs & Memory (PipeTrainer)': stages, GPUs, block swap and "
+                                               "checkpointing; its values replace this node's of the same names."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA applied."),
@@ -185,6 +189,11 @@ class PipeTrainerTrain(io.ComfyNode):
                    **settings) -> RunSpec:
         """The validated run spec; raises with every problem at once. ``blocks_to_swap`` auto (-1) becomes
         the memory plan's number (nodes/checks/memory.py); the plan's line is appended to ``notes``."""
+        devices = settings.pop("gpus_and_memory", None)
+        if devices is not None:  # the GPUs & Memory node's values are the run's; Train's own are named if set aside
+            settings, overridden = devices.merged(settings)
+            if notes is not None:
+                notes += overridden
         problems = paths.lora_name_problems(lora_name)
         recipe = recipe_of(model)
         if recipe is None:
