@@ -49,6 +49,7 @@ FAMILY_SAMPLING = {
     "Flux2": ("Flux2", {"image_model": "flux2", "hidden_size": 6144}, "FLUX"),  # mu 2.02
     "Chroma": ("Chroma", {"image_model": "chroma"}, "FLUX"),  # mu 1.15, as Flux
     "Wan": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v"}, "FLOW"),  # shift 8.0
+    "WanVace": ("WAN21_Vace", {"image_model": "wan2.1", "model_type": "vace"}, "FLOW"),  # shift 8.0, as Wan 2.1
     "HunyuanVideo": ("HunyuanVideo", {"image_model": "hunyuan_video"}, "FLOW"),  # shift 7.0
     "HunyuanVideo15": ("HunyuanVideo15", {"image_model": "hunyuan_video", "vision_in_dim": 1152}, "FLOW"),  # shift 7.0
     "Lumina2": ("Lumina2", {"image_model": "lumina2"}, "FLOW"),  # shift 6.0 (Z-Image's config: 3.0)

@@ -41,8 +41,9 @@ boundary go into the LoRA file's metadata.
 
 Images train as 1-frame videos (the data pipeline gives image latents a frame axis, :class:`Geometry`
 ``video``). Clips have 1 or 4k+1 frames (the Wan VAEs' temporal rule: 4 pixel frames per latent frame
-after the first). The Wan relatives ComfyUI builds from subclasses (VACE, camera, S2V, HuMo, Animate)
-and other concat layouts (Fun control, reference conv) are refused by name.
+after the first). Wan 2.1 VACE (``WAN21_Vace``) is the WanVace family (training/pipelines/wan_vace.py,
+which reuses these layers). The other Wan relatives ComfyUI builds from subclasses (camera, S2V, HuMo,
+Animate) and other concat layouts (Fun control, reference conv) are refused by name.
 
 Fixture tiers (all detected by ComfyUI's own detection from keys and shapes, on 0.3.75 and current
 ComfyUI, no config in the file): T2V 1.1 M (devkit/fixtures.py ``build_tiny_wan_t2v``), TI2V-5B layout
