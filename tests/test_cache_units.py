@@ -139,7 +139,7 @@ def test_the_report_on_the_node_keeps_the_counts_and_a_few_files_of_each_kind():
     """The node's own text is short enough not to be cut by the node; the ``report`` output keeps every file."""
     from collections import Counter
 
-    from pipetrainer.training.cache.store import CacheReport
+    from pipetrainer.training.cache.report import CacheReport
 
     report = CacheReport(cached=Counter(latent=2, text=2), skipped=[f"f{i}.png: cannot read it" for i in range(10)],
                          reencoded=["a.png latent: VAE changed"], notes=["a note"], buckets=Counter({"64x64x1": 2}))

@@ -30,9 +30,8 @@ import hashlib
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.dataset import DatasetSpec, ImageEntry
@@ -57,6 +56,7 @@ from .media import Probe, load_image, load_video, probe_image, probe_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
 from .reference_prompt import PromptStyle, load_reference
+from .report import CacheReport
 from .shards import ShardWriter, checksum, pack
 from .start_image import StartImage
 
@@ -64,53 +64,6 @@ CROP_NOTE_THRESHOLD = 0.25  # report items losing more than this share of their 
 _POLL_S = 0.1
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class CacheReport:
-    cached: Counter = field(default_factory=Counter)  # kind -> first-time encodes
-    reused: Counter = field(default_factory=Counter)
-    reencoded: list[str] = field(default_factory=list)  # "file kind: reason"
-    reencoded_kinds: Counter = field(default_factory=Counter)
-    by_other_process: Counter = field(default_factory=Counter)
-    skipped: list[str] = field(default_factory=list)  # "file: reason"
-    notes: list[str] = field(default_factory=list)
-    buckets: Counter = field(default_factory=Counter)  # bucket name -> items
-    rehashed: list[str] = field(default_factory=list)  # files whose size/mtime changed, hashed again
-    seconds: float = 0.0
-
-    @property
-    def encoded(self) -> Counter:
-        """Every encode this process ran, first-time and repeated."""
-        return self.cached + self.reencoded_kinds
-
-    def text(self) -> str:
-        def kinds(c: Counter) -> str:
-            return f"{c['latent']} latents, {c['text']} texts"
-
-        lines = [f"cached {kinds(self.cached)}; reused {kinds(self.reused)}; "
-                 f"re-encoded {kinds(self.reencoded_kinds)}; skipped {len(self.skipped)} files "
-                 f"({self.seconds:.1f} s)"]
-        if self.rehashed:
-            lines.append(f"{len(self.rehashed)} files changed size or mtime and were hashed again")
-        if self.by_other_process:
-            lines.append(f"encoded meanwhile by another process: {kinds(self.by_other_process)}")
-        if self.buckets:
-            lines.append("buckets: " + ", ".join(f"{b} ({n})" for b, n in sorted(self.buckets.items())))
-        lines += [f"re-encoded {r}" for r in self.reencoded]
-        lines += [f"skipped {s}" for s in self.skipped]
-        return "\n".join(lines + self.notes)
-
-    def summary(self, per_kind: int = 3) -> str:
-        """:meth:`text` short enough to read on the node: the counts, the notes, and at most ``per_kind``
-        re-encoded and skipped files each, with how many more the ``report`` output lists."""
-        full = self.text().splitlines()
-        head = [line for line in full if not line.startswith(("re-encoded ", "skipped "))]
-        for prefix, files in (("re-encoded", self.reencoded), ("skipped", self.skipped)):
-            head += [f"{prefix} {f}" for f in files[:per_kind]]
-            if len(files) > per_kind:
-                head.append(f"{prefix} {len(files) - per_kind} more: the node's report output lists every file")
-        return "\n".join(head)
 
 
 @dataclass(frozen=True)
