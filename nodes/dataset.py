@@ -69,47 +69,35 @@ class PipeTrainerDataset(io.ComfyNode):
                 io.Int.Input("max_frames", default=33, min=1, max=1024, optional=True,
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
-                                tooltip="Edit models (Kontext, Qwen-Image-Edit): folder of reference images "
-                                        "named like the training images: name.png is the first reference of "
-                                        "training image name, name_1.png the second, and so on. Every training "
-                                        "image needs one; unpaired files are errors. Relative paths are inside "
-                                        "ComfyUI's input folder; empty = no references.", **advanced()),
+                                tooltip="Edit models (Kontext, Qwen-Image-Edit): reference images named like the "
+                                        "training images (name.png, name_1.png...); each needs one. Inside "
+                                        "ComfyUI's input folder; empty = none.", **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
-                               tooltip="Share of items trained on the empty caption instead of their own, drawn "
-                                       "per item and step (0.05-0.1 is usual; helps prompt-less use and CFG). "
-                                       "The empty caption is encoded once, as 'CLIP Text Encode' encodes an empty "
-                                       "prompt. 0 = off.", **advanced()),
+                               tooltip="Share of items trained on the empty caption, drawn per item and step "
+                                       "(0.05-0.1 is usual; helps prompt-less use and CFG). 0 = off.", **advanced()),
                 io.Int.Input("shuffle_tags", default=0, min=0, max=MAX_SHUFFLE_VARIANTS, optional=True,
-                             tooltip="Tag shuffle for tag-list captions ('1girl, red hair, smiling'): how many "
-                                     "shuffled versions of each caption are cached (text embeddings are cached, "
-                                     "so each version is encoded once and training draws one of them per item "
-                                     "and step). 0 = off: the caption as written. More versions = more variety "
-                                     "and more cache.", **advanced()),
+                             tooltip="For tag-list captions: how many shuffled versions of each caption are "
+                                     "cached; training draws one per item and step. 0 = off (the caption as "
+                                     "written).", **advanced()),
                 io.Int.Input("keep_tags", default=1, min=0, max=64, optional=True,
                              tooltip="With shuffle_tags: the first N tags stay in place (e.g. the trigger word); "
                                      "0 shuffles every tag.", **advanced()),
                 io.String.Input("tag_separator", default=",", optional=True,
                                 tooltip="With shuffle_tags: what separates the tags of a caption (usually ',').", **advanced()),
                 io.String.Input("prompt_prefix", default="", optional=True,
-                                tooltip="Text your sampling graph's text-encode node puts before every prompt; it "
-                                        "goes before every caption and the empty caption, so training encodes what "
-                                        "sampling does. Lumina 2: CLIP Text Encode (Lumina 2)'s system prompt "
-                                        "followed by ' <Prompt Start> ' (see its example workflow). Empty for most "
-                                        "models. Not for trigger words: write those into the captions.", **advanced()),
+                                tooltip="Text your sampling graph's text-encode node puts before every prompt "
+                                        "(Lumina 2's system prompt); put before every caption. Empty for most "
+                                        "models; trigger words go in the captions.", **advanced()),
                 io.Combo.Input("flip", options=list(FLIP_MODES), default="none", optional=True,
-                               tooltip="'random': each item also trains mirrored left-right, half the time. The "
-                                       "mirrored image is encoded by the VAE once and cached (a second latent per "
-                                       "item). Not for edit datasets (control folder), nor for subjects whose "
-                                       "sides matter (text, asymmetric logos).", **advanced()),
+                               tooltip="random: each item also trains mirrored left-right, half the time (a "
+                                       "second cached latent). Not for edit datasets nor for subjects whose sides"
+                                       " matter (text, logos).", **advanced()),
                 io.Combo.Input("mask", options=list(MASK_MODES), default="none", optional=True,
-                               tooltip="Masked loss: white areas train, black areas are ignored, grey weighs in "
-                                       "between. 'alpha': each image's transparency is its mask (every image needs "
-                                       "an alpha channel); 'folder': mask images from mask_folder. Masks are "
-                                       "cached with the latents.", **advanced()),
+                               tooltip="Masked loss: white trains, black is ignored, grey weighs between. alpha: "
+                                       "each image's transparency; folder: mask images from mask_folder.", **advanced()),
                 io.String.Input("mask_folder", default="", optional=True,
-                                tooltip="With mask 'folder': one mask image per training file, named like it "
-                                        "(name.png for name.jpg; one mask per video clip). Missing or unpaired "
-                                        "masks are errors. Relative paths are inside ComfyUI's input folder.", **advanced()),
+                                tooltip="With mask 'folder': one mask per training file, named like it (name.png "
+                                        "for name.jpg). Inside ComfyUI's input folder.", **advanced()),
             ],
             outputs=[Dataset.Output(display_name="dataset", tooltip="The images, videos and captions to cache."),
                      io.String.Output(display_name="report", tooltip="What was found, skipped or left empty.")],

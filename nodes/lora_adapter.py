@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..training.adapters.block_range import BlockRangeError, parse_blocks
 from ..training.adapters.init_lora import file_digest
-from ..training.spec.choices import ADAPTER_TYPES, SAVE_DTYPES, TARGET_PRESETS, SpecError
+from ..training.spec.choices import ADAPTER_TYPES, SAVE_DTYPES, STREAM_TARGET_PRESETS, TARGET_PRESETS, SpecError
 from ..training.spec.options import LoraSpec
 from .node_problems import refuse_once
 from .types import CATEGORY, LoraConfig
@@ -27,17 +27,14 @@ class PipeTrainerLoRA(io.ComfyNode):
                                tooltip="LoRA alpha; the update is scaled by alpha / rank. Free, not tied to rank."),
                 io.Float.Input("dropout", default=0.0, min=0.0, max=0.9, step=0.01,
                                tooltip="Dropout on the LoRA input during training."),
-                io.Combo.Input("targets", options=list(TARGET_PRESETS), default="attention_mlp",
+                io.Combo.Input("targets", options=[*TARGET_PRESETS, *STREAM_TARGET_PRESETS], default="attention_mlp",
                                tooltip="Which Linears get LoRA: attention only, attention + MLP, or every "
                                        "Linear of the transformer blocks (the family decides the names)."),
                 # New inputs go last (saved workflows store widget values by position) and are optional.
                 io.Combo.Input("adapter", options=list(ADAPTER_TYPES), default="lora", optional=True,
-                               tooltip="lora: B @ A (low rank). lokr: a Kronecker product of two small matrices "
-                                       "(LyCORIS LoKr; fewer parameters, set by factor). loha: the elementwise "
-                                       "product of two low-rank products (LyCORIS LoHa). All load in the stock "
-                                       "LoraLoader. DoRA is not offered: ComfyUI applies it differently from how "
-                                       "it trains. lokr/loha need dropout 0 and no LoRA+, and cannot train on "
-                                       "per-layer-quantized (scaled fp8 / mixed precision) models."),
+                               tooltip="lora: B @ A. lokr / loha: LyCORIS LoKr / LoHa (fewer parameters; dropout "
+                                       "0, no LoRA+, not on per-layer-quantized models). All load in the stock "
+                                       "LoraLoader. README: LoRA Adapter."),
                 io.Int.Input("factor", default=-1, min=-1, max=1024, optional=True,
                              tooltip="lokr only: the Kronecker factor (the small matrix is factor x factor); "
                                      "-1 picks one near the square root of each dimension."),
@@ -45,18 +42,13 @@ class PipeTrainerLoRA(io.ComfyNode):
                                tooltip="dtype of the saved file: bf16 (half the size, what other trainers save) "
                                        "or fp32 (the trained weights exactly). Training is fp32 either way."),
                 io.String.Input("blocks", default="", optional=True,
-                                tooltip="Only these transformer blocks get adapters; empty = all. Plain numbers "
-                                        "count through all block lists in the order they run (Flux: double blocks "
-                                        "first, then single blocks continue the count), e.g. '0-9, 20'. "
-                                        "'<list>:<range>' uses that list's own numbers, as in the LoRA file's keys, "
-                                        "e.g. 'double_blocks:0-9, single_blocks:0-5' (a unique start such as "
-                                        "'single:' is enough). A range past the model's blocks is an error that "
-                                        "names its block counts."),
+                                tooltip="Only these transformer blocks get adapters; empty = all. '0-9, 20' "
+                                        "counts through all block lists in order; 'double_blocks:0-9, single:0-5'"
+                                        " uses a list's own numbers (README: LoRA Adapter)."),
                 io.Combo.Input("init_lora", options=_init_lora_options(), default="none", optional=True,
-                               tooltip="Continue training from this LoRA (from the loras folder) instead of fresh "
-                                       "weights. It must be a PipeTrainer-format file for this model, of the same "
-                                       "adapter type, rank, alpha, targets and blocks (an error says which to set); "
-                                       "training starts from its exact weights."),
+                               tooltip="Continue from this PipeTrainer LoRA (loras folder) instead of fresh "
+                                       "weights: same model, adapter type, rank, alpha, targets and blocks (an "
+                                       "error says which to set)."),
             ],
             outputs=[LoraConfig.Output(display_name="lora", tooltip="LoRA settings for Train LoRA.")],
         )

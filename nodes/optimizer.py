@@ -25,10 +25,9 @@ class PipeTrainerOptimizer(io.ComfyNode):
             category=CATEGORY,
             inputs=[
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="AdamW",
-                               tooltip="AdamW; AdamW8bit (bitsandbytes: less optimizer memory); Adafactor "
-                                       "(factored second moments: less memory); Prodigy (estimates its own step "
-                                       "size over every stage and replica: learning_rate 1.0); Lion (sign updates: use a 3-10x lower learning rate); CAME; "
-                                       "AdamWScheduleFree (no schedule: the saved LoRA is its weight average)."),
+                               tooltip="AdamW; AdamW8bit and Adafactor (less memory); Prodigy (own step size: "
+                                       "learning_rate 1.0); Lion (3-10x lower learning rate); CAME; "
+                                       "AdamWScheduleFree (no schedule). README: Optimizer."),
                 io.Float.Input("learning_rate", default=1e-4, min=1e-7, max=1.0, step=1e-6,
                                tooltip="Peak learning rate (Prodigy: 1.0)."),
                 io.Float.Input("weight_decay", default=0.01, min=0.0, max=1.0, step=0.001,

@@ -62,10 +62,9 @@ class PipeTrainerPreviewSettings(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="Text encoder for the prompts (the one you will sample with)."),
                 io.Vae.Input("vae", tooltip="VAE that decodes the previews; also gives the latent size."),
                 io.String.Input("prompts", multiline=True, default="a photo of sks",
-                                tooltip="One prompt per line; each line is one preview image per preview step. "
-                                        "Encoded by CLIP Text Encode exactly as typed: for a model whose own "
-                                        "text-encode node adds a template (Lumina 2's system prompt, the "
-                                        "Dataset's prompt_prefix), type it in front of each line."),
+                                tooltip="One prompt per line, one preview image each. Encoded exactly as typed: "
+                                        "add your model's text template (Lumina 2's system prompt, the Dataset's "
+                                        "prompt_prefix) in front of each line."),
                 io.String.Input("negative", multiline=True, default="",
                                 tooltip="Negative prompt for every preview (used when cfg > 1)."),
                 io.Int.Input("width", default=512, min=16, max=8192, step=8, tooltip="Preview width in pixels."),

@@ -55,8 +55,7 @@ class PipeTrainerRegularization(io.ComfyNode):
                                        "image, 0 adds nothing to the gradient."),
                 io.Float.Input("ratio", default=0.5, min=0.01, max=0.99, step=0.01,
                                tooltip="Share of micro-batches drawn from the regularization images (0.5: every "
-                                       "other one; 0.25: one in four). Each micro-batch is all training or all "
-                                       "regularization images; gradient accumulation mixes them in one step."),
+                                       "other one). A micro-batch is all training or all regularization images."),
             ],
             outputs=[RegularizationConfig.Output(display_name="regularization",
                                                  tooltip="For Train LoRA's regularization input.")],

@@ -24,9 +24,9 @@ class PipeTrainerTimesteps(io.ComfyNode):
                                tooltip="uniform: every point of the schedule equally often; logit_normal: "
                                        "favour the middle (SD3 paper), shaped by logit_mean / logit_std."),
                 io.Combo.Input("shift", options=list(TIMESTEP_SHIFTS), default="model",
-                               tooltip="model: the model's own sampling shift (SD3 3.0, Flux e^1.15, or a "
-                                       "ModelSampling* node before Train); none: no shift; fixed: shift_value; "
-                                       "resolution: grows with image size (Flux-style, base_shift..max_shift)."),
+                               tooltip="model: the model's own shift (or a ModelSampling* node's before Train); "
+                                       "none; fixed: shift_value; resolution: grows with image size (Flux-style, "
+                                       "base_shift to max_shift)."),
                 io.Float.Input("shift_value", default=3.0, min=0.01, max=100.0, step=0.01,
                                tooltip="The shift with shift = fixed (higher = more high-noise steps)."),
                 io.Float.Input("logit_mean", default=0.0, min=-5.0, max=5.0, step=0.01,
@@ -42,11 +42,9 @@ class PipeTrainerTimesteps(io.ComfyNode):
                 io.Float.Input("sigma_max", default=1.0, min=0.0, max=1.0, step=0.001,
                                tooltip="Train only noise levels at or below this (e.g. a Wan 2.2 low-noise expert)."),
                 io.Combo.Input("loss_weighting", options=list(LOSS_WEIGHTINGS), default="none", optional=True,
-                               tooltip="Flow models only (SD3, Flux, Wan, ...): scale each image's loss by its "
-                                       "noise level, SD3's schemes with their raw weights. none: every level "
-                                       "alike. cosmap: 2/(pi(1-2s+2s^2)), 0.64 to 1.27, favours the middle. "
-                                       "sigma_sqrt: 1/s^2, huge at low noise (keep max_grad_norm, or raise "
-                                       "sigma_min). The validation loss stays unweighted."),
+                               tooltip="Flow models: scale each item's loss by its noise level (SD3's schemes). "
+                                       "none: all alike; cosmap favours the middle; sigma_sqrt is huge at low "
+                                       "noise. Validation stays unweighted."),
             ],
             outputs=[TimestepConfig.Output(display_name="timesteps", tooltip="For Train LoRA's timesteps input.")],
         )
