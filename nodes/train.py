@@ -139,7 +139,8 @@ class PipeTrainerTrain(io.ComfyNode):
                                        "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
                                        "split is refused with the reason."),
                 io.Boolean.Input("first_frame_clean", default=False, optional=True,
-                                 tooltip="Wan 2.2 TI2V-5B, LTX-Video and Kandinsky 5 video: train image-to-video as "
+                                 tooltip="Wan 2.2 TI2V-5B, LTX-Video, Kandinsky 5 video and Cosmos Predict2 "
+                                         "Video2World: train image-to-video as "
                                          "ComfyUI samples it "
                                          "(the first latent frame stays clean and is left out of the loss). Off: "
                                          "text-to-video. Other families do not use it."),

@@ -194,6 +194,7 @@ EXAMPLES = {
     "pipetrainer_ernie_image": ("ErnieImage", {}, set()),
     "pipetrainer_ideogram4": ("Ideogram4", {}, set()),
     "pipetrainer_cosmos_predict2_t2i": ("CosmosPredict2", {}, set()),
+    "pipetrainer_cosmos_predict2_i2v": ("CosmosPredict2", {"first_frame_clean": True}, set()),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),

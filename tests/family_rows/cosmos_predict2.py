@@ -6,7 +6,12 @@ detection sets it, the 3-D RoPE table with detection's extrapolation ratios, 16 
 latent format's ``process_latent_in``), and a non-square 1 x 8 x 6 latent: even sides, as preflight requires of
 every family's latents and as ComfyUI 0.3.75's model asserts (current ComfyUI would pad odd ones), so the
 CosmosPredict2 row runs on 0.3.75 too. Anima's rows give the T5 token ids and weights its LLM adapter reads (ComfyUI hands them to the model as
-``t5xxl_ids`` / ``t5xxl_weights``) and the Qwen text mask (all ones: the cond is unpadded, as ComfyUI's)."""
+``t5xxl_ids`` / ``t5xxl_weights``) and the Qwen text mask (all ones: the cond is unpadded, as ComfyUI's).
+
+The Video2World row is ComfyUI's CosmosI2VPredict2 config (17 input channels: the latent and ComfyUI's
+``mask_inverted`` channel) on a 3-frame latent, text-to-video: ComfyUI gets what ``CosmosPredict2.extra_conds``
+builds without a noise mask (a zero mask channel). Image-to-video is checked against
+``CosmosPredict2ImageToVideoLatent`` in tests/test_cosmos_predict2.py."""
 
 from __future__ import annotations
 
@@ -35,6 +40,45 @@ def cosmos_predict2_small(seed: int = 29):
 
     require_model_class("CosmosPredict2")
     return from_config(comfy.supported_models.CosmosT2IPredict2, _unet("cosmos_predict2", COSMOS_CONTEXT), seed=seed)
+
+
+VIDEO_LATENT = (16, 3, 8, 6)  # 3 latent frames (9 pixel frames of the Wan 2.1 VAE), even sides
+
+
+def cosmos_predict2_video_small(seed: int = 31):
+    """ComfyUI's CosmosI2VPredict2 (Video2World) config at width 64, 2 blocks, AdaLN-LoRA rank 8."""
+    import comfy.supported_models
+
+    require_model_class("CosmosPredict2")
+    unet = {**_unet("cosmos_predict2", COSMOS_CONTEXT), "in_channels": 17}
+    return from_config(comfy.supported_models.CosmosI2VPredict2, unet, seed=seed)
+
+
+def cosmos_conds(model, noise: torch.Tensor, latent_image: torch.Tensor | None = None,
+                 noise_mask: torch.Tensor | None = None) -> dict:
+    """What ComfyUI's sampler hands ``apply_model`` besides the text: ``CosmosPredict2.extra_conds`` of the noise,
+    the latent image and the noise mask brought to the latent's shape as the sampler does (``prepare_mask``)."""
+    import comfy.sampler_helpers
+
+    kwargs = {"noise": noise, "device": torch.device("cpu"),
+              "latent_image": latent_image if latent_image is not None else torch.zeros_like(noise)}
+    if noise_mask is not None:
+        kwargs["denoise_mask"] = comfy.sampler_helpers.prepare_mask(noise_mask, noise.shape, torch.device("cpu"))
+    conds = model.extra_conds(**kwargs)
+    return {name: cond.cond for name, cond in conds.items() if name != "fps"}
+
+
+_LOADED: list = []  # the newest loaded Video2World model: its extra_conds is the oracle of the row's kwargs
+
+
+def _video_load(comfy_root, fixture_paths):
+    patcher = cosmos_predict2_video_small()
+    _LOADED[:] = [patcher.model]
+    return patcher
+
+
+def _video_kwargs(cond, pooled, options, extras):
+    return cosmos_conds(_LOADED[-1], torch.zeros(1, *VIDEO_LATENT))
 
 
 ANIMA_QWEN = 24  # Qwen3 0.6B's 1024 in the real model
@@ -79,6 +123,9 @@ def _anima_kwargs(cond, pooled, options, extras):
 ROWS = [
     Row("CosmosPredict2", "ComfyUI's CosmosT2IPredict2 config class, width 64 (detection pins 2048), in memory",
         load=lambda comfy_root, fixture_paths: cosmos_predict2_small(), latent=(16, 1, 8, 6), tokens=5),
+    Row("CosmosPredict2", "ComfyUI's CosmosI2VPredict2 (Video2World) config class, width 64, in memory; "
+        "text-to-video on 3 latent frames", load=_video_load, latent=VIDEO_LATENT, tokens=5,
+        comfy_kwargs=_video_kwargs, id="CosmosPredict2Video2World"),
     Row("Anima", "ComfyUI's Anima config class, width 64, with a 16-wide 1-layer LLMAdapter, in memory",
         load=lambda comfy_root, fixture_paths: anima_small(), latent=(16, 1, 8, 6), tokens=5,
         extras=_anima_extras, comfy_kwargs=_anima_kwargs),

@@ -46,6 +46,7 @@ from torch import nn
 
 from .base import Batch, ExtraSpec, StageLayer, refuse_unsupported, register
 from .cosmos_predict2 import CosmosEmbed, CosmosFinal, CosmosPredict2Adapter, block_layers, enable_backward
+from .options import NoOptions
 
 FAMILY = "Anima"
 TEXT_MASK = "attention_mask"
@@ -88,6 +89,7 @@ class AnimaEmbed(CosmosEmbed):
 
 class AnimaAdapter(CosmosPredict2Adapter):
     name = FAMILY
+    options_type = NoOptions  # no image-to-video layout (refused above), so no first_frame_clean
     text_extras = {T5_IDS: False, T5_WEIGHTS: False}  # kept by the cache (text_extras.py): unbatched
     text_encoder = "Anima's Qwen3 0.6B text encoder (CLIPLoader type stable_diffusion, as ComfyUI's template)"
 

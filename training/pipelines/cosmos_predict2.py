@@ -1,5 +1,6 @@
-"""Cosmos Predict2 text-to-image (``comfy.ldm.cosmos.predict2.MiniTrainDIT``, ``model_base.CosmosPredict2``) as
-pipeline stage layers; Anima (training/pipelines/anima.py) reuses them.
+"""Cosmos Predict2 text-to-image, text-to-video and Video2World image-to-video
+(``comfy.ldm.cosmos.predict2.MiniTrainDIT``, ``model_base.CosmosPredict2``) as pipeline stage layers; Anima
+(training/pipelines/anima.py) reuses them.
 
 Why a family of its own: MiniTrainDIT is a video DiT over ``[B, T, H, W, D]`` token grids with 3-D RoPE, a
 padding-mask channel concatenated to the latent, adaLN modulation per block (self-attention, cross-attention
@@ -8,8 +9,9 @@ block's), and a rectified-flow sampling of its own (below). No other family has 
 
 Stage tuples (``B`` batch, ``T'``/``H'``/``W'`` patches, ``D`` width, ``N`` text tokens):
 
-- embed: ``(x [B, 16, T, H, W], timestep [B], context [B, N, 1024])`` ->
-  ``(x [B, T', H', W', D], t [B, 1, D], adaln [B, 1, 3D] or empty, context, rope, [extra_pos,] meta)``:
+- embed: ``(x [B, 16, T, H, W], timestep [B], context [B, N, 1024], clean [B, T] int64)`` ->
+  ``(x [B, T', H', W', D], t [B, 1, D], adaln [B, 1, 3D] or empty, context, rope, [extra_pos,] meta)`` (``T``
+  for the 1 of ``t`` and ``adaln`` when a frame is clean: one timestep per latent frame, below):
   ComfyUI's ``pad_to_patch_size`` and ``prepare_embedded_sequence`` (its own method: padding-mask channel of
   zeros, as ComfyUI passes none, ``x_embedder``, the RoPE table, the learnable per-block position table where
   the model has one), the time embedding as ``_forward`` computes it (``t_embedder``, ``t_embedding_norm``),
@@ -42,6 +44,23 @@ cached attention mask is not read: ComfyUI's model does not read it either.
 Video latents train as ComfyUI runs the model on them (it is a video DiT; images are 1-frame videos, as
 ComfyUI's samplers make a 4-D latent 5-D for it).
 
+Video2World / image-to-video (``CosmosI2VPredict2``: ``in_channels`` 17, ``model_base.CosmosPredict2`` with
+``image_to_video``). ComfyUI's ``CosmosPredict2ImageToVideoLatent`` gives the sampler the start image's latent
+in the first latent frame and a noise mask that is 0 there. The sampler then (``KSamplerX0Inpaint`` with
+``CosmosPredict2.scale_latent_inpaint``, undone by ``calculate_input``) hands the network the clean latent in that
+frame; ``concat_cond`` appends one channel, ``mask_inverted`` (1 on the clean frame); ``process_timestep`` makes
+the timestep per latent frame, 0 on the clean frame; the clean frame of the output is replaced by the start
+latent. The family option ``first_frame_clean`` trains exactly that: the embed's ``clean`` input is 1 on the
+first latent frame, the embed writes the mask channel (models that take it) and the per-frame timestep, the
+first stage puts the clean latent in that frame, and the loss leaves it out (:meth:`loss_mask`). The clip's
+first latent frame is the start image's latent as the node encodes it (the Wan 2.1 VAE is causal: the node's
+gray padding frames do not reach the first latent frame). A 1-frame example trains text-to-video (nothing left
+to predict). Off, and on images: the mask channel is 0 and the timestep one per example, what ComfyUI gives the
+model without a noise mask (the node without a start image: text-to-video, which the Video2World model runs
+too). ``first_frame_clean`` on the 16-channel Text2Image model is what ComfyUI samples with that model after the
+node (clean frame and per-frame timestep, no mask channel), so it trains too. Not covered: the node's
+``end_image`` and start clips long enough to fill a second latent frame (9 pixel frames or more).
+
 Backward: ComfyUI's self-attention normalises and ropes q and k through comfy_kitchen's fused
 ``rms_rope_split_half`` op even in training mode, and that op has no autograd formula;
 :meth:`CosmosPredict2Adapter.stage_layers` registers one (patches/comfy_kitchen_rms_rope_backward.py, through
@@ -52,29 +71,31 @@ the patch size (current ComfyUI pads and crops them), which preflight requires o
 (training/pipelines/checks.py's ``latent_size_problems``: crop or resize to even latent sides); its attention
 ropes in plain torch (no comfy_kitchen op to patch).
 
-Refused by name: the Video2World / image-to-video models (``in_channels`` 17, ``CosmosI2VPredict2``): they take
-a conditioning-frame mask channel and clean first frames (``denoise_mask``, ``CosmosPredict2ImageToVideoLatent``)
-that this family does not implement yet; a model of the class that is not a MiniTrainDIT.
+Refused by name: a model of the class that is not a MiniTrainDIT; a MiniTrainDIT whose input channels are neither
+its output channels (Text2Image) nor those plus ComfyUI's one ``mask_inverted`` channel (Video2World), which
+ComfyUI's ``CosmosPredict2`` class cannot feed either.
 
 Fixture tier: detection pins max sizes 240 x 240 x 128 and width 2048 (about 2 B parameters), so the tests
 build a tiny model in memory from ComfyUI's own ``CosmosT2IPredict2`` config class
-(tests/family_rows/cosmos_predict2.py, with AdaLN-LoRA as detection sets it); tests/test_stage_split.py trains
-it 2 steps in 1 and 2 stages on gloo ranks.
+(tests/family_rows/cosmos_predict2.py, with AdaLN-LoRA as detection sets it; the Video2World row from
+``CosmosI2VPredict2`` on 3 latent frames); tests/test_stage_split.py trains them 2 steps in 1 and 2 stages on
+gloo ranks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
-from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "CosmosPredict2"
+MASK_CHANNELS = 1  # model_base.CosmosPredict2(image_to_video=True).concat_keys: ("mask_inverted",)
 BLOCKS = r"blocks\.\d+\."
 _ATTENTION = r"(self_attn|cross_attn)\.(q_proj|k_proj|v_proj|output_proj)"
 _MLP = r"mlp\.layer[12]"
@@ -86,16 +107,51 @@ TARGETS = {
 }
 
 
+@dataclass(frozen=True)
+class CosmosPredict2Options:
+    """``first_frame_clean``: image-to-video as ComfyUI samples after ``CosmosPredict2ImageToVideoLatent`` with a
+    start image (see the module docstring). Off: text-to-image / text-to-video."""
+
+    first_frame_clean: bool = False
+
+    def problems(self) -> list[str]:
+        return []
+
+
+def mask_channels(dm: nn.Module) -> int:
+    """The conditioning channels ComfyUI concatenates to the latent: 1 on Video2World, 0 on Text2Image."""
+    return int(dm.in_channels) - int(dm.out_channels)
+
+
 def _support_problem(dm: nn.Module) -> str | None:
     from comfy.ldm.cosmos.predict2 import MiniTrainDIT
 
     if not isinstance(dm, MiniTrainDIT):
         return f"{type(dm).__name__} is not a Cosmos Predict2 MiniTrainDIT; the {FAMILY} adapter cannot train it."
-    if int(dm.in_channels) != int(dm.out_channels):
-        return (f"This Cosmos Predict2 model takes {dm.in_channels} latent channels: it is a Video2World "
-                "(image-to-video) model, conditioned on clean first frames through a mask channel and ComfyUI's "
-                "denoise mask, which PipeTrainer does not implement yet. Cosmos Predict2 text-to-image models train.")
+    if mask_channels(dm) not in (0, MASK_CHANNELS):
+        return (f"This Cosmos Predict2 model takes {dm.in_channels} input channels for {dm.out_channels} latent "
+                f"channels; ComfyUI's CosmosPredict2 class feeds the latent alone (Text2Image) or the latent and "
+                f"{MASK_CHANNELS} mask channel (Video2World), so neither ComfyUI nor PipeTrainer can run it. Load a "
+                "Cosmos Predict2 Text2Image or Video2World model.")
     return None
+
+
+def frame_conditioning(x: torch.Tensor, timestep: torch.Tensor, clean: torch.Tensor | None,
+                       channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(network input, timestep)`` of ``x`` ``[B, C, T, H, W]`` given the clean-frame mask ``clean`` ``[B, T]``.
+
+    As ComfyUI's ``CosmosPredict2`` builds them from a denoise mask that is 0 on the clean frames: ``channels``
+    (0 or 1) ``mask_inverted`` channels appended (1 on clean frames), and with any clean frame the timestep per
+    frame, 0 on the clean ones (``process_timestep``); without one the timestep stays one per example, as
+    ComfyUI passes it when there is no denoise mask."""
+    if channels:
+        mask = clean if clean is not None else x.new_zeros(x.shape[0], x.shape[2])
+        mask = mask.to(x.dtype)[:, None, :, None, None].expand(-1, channels, -1, *x.shape[-2:])
+        x = torch.cat([x, mask], dim=1)
+    if clean is None or not bool(clean.any()):
+        return x, timestep
+    keep = (1.0 - clean.float()).to(timestep.dtype)
+    return x, timestep.reshape(-1, 1) * keep
 
 
 def _forward_source() -> str:
@@ -132,17 +188,22 @@ class CosmosEmbed(StageLayer):
         self.patch = (dm.patch_temporal, dm.patch_spatial, dm.patch_spatial)
         self._prepare = MiniTrainDIT.prepare_embedded_sequence
         self.fp32_residual = comfy_keeps_fp32_residual()
+        self.mask_channels = mask_channels(dm)
 
     def text_context(self, inputs) -> torch.Tensor:
         """The cross-attention context of the first stage's inputs (Anima adapts it first)."""
         return inputs[2]
 
+    def clean_frames(self, inputs) -> torch.Tensor | None:
+        """``[B, T]``, 1 on the latent frames given clean (Cosmos Predict2's fourth input; Anima has none)."""
+        return None
+
     def forward(self, inputs):
         import comfy.ldm.common_dit
 
-        x, timestep = inputs[0], inputs[1]
         context = self.text_context(inputs)
-        frames, h, w = x.shape[-3:]
+        frames, h, w = inputs[0].shape[-3:]
+        x, timestep = frame_conditioning(inputs[0], inputs[1], self.clean_frames(inputs), self.mask_channels)
         x = comfy.ldm.common_dit.pad_to_patch_size(x, self.patch)
         tokens, rope, extra = self._prepare(self, x, fps=None, padding_mask=None)
         t = timestep.unsqueeze(1) if timestep.ndim == 1 else timestep
@@ -158,6 +219,13 @@ class CosmosEmbed(StageLayer):
         rope = rope.unsqueeze(1).unsqueeze(0).detach().requires_grad_()
         extra = extra.detach().requires_grad_() if extra is not None else None
         return (tokens, t_emb, adaln, context, rope, *((extra,) if extra is not None else ()), meta)
+
+
+class CosmosPredict2Embed(CosmosEmbed):
+    """The embed with the clean-frame mask of the first stage's inputs (always given; zeros without one)."""
+
+    def clean_frames(self, inputs) -> torch.Tensor | None:
+        return inputs[3]
 
 
 class CosmosBlock(StageLayer):
@@ -215,7 +283,7 @@ def block_layers(dm: nn.Module) -> list[StageLayer]:
 
 class CosmosPredict2Adapter:
     name = FAMILY
-    options_type = NoOptions
+    options_type = CosmosPredict2Options
     text_encoder = "Cosmos Predict2's T5-XXL text encoder (CLIPLoader type cosmos)"
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
@@ -225,7 +293,7 @@ class CosmosPredict2Adapter:
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
         refuse_unsupported(self, diffusion_model)
         enable_backward()
-        return [CosmosEmbed(diffusion_model), *block_layers(diffusion_model), CosmosFinal(diffusion_model)]
+        return [CosmosPredict2Embed(diffusion_model), *block_layers(diffusion_model), CosmosFinal(diffusion_model)]
 
     def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
         return [False, *([CosmosBlock.swappable] * len(diffusion_model.blocks)), False]
@@ -255,15 +323,40 @@ class CosmosPredict2Adapter:
         if batch.cond is None:
             raise ValueError(f"{self.name} needs the text encoder's states, and the cache has none: cache the "
                              f"dataset with {self.text_encoder}.")
-        return batch.noisy, batch.timestep, batch.cond
+        x = batch.noisy  # [B, C, T, H, W]: a video family's latents are 5-D, an image's with T = 1
+        clean = torch.zeros(x.shape[0], x.shape[2], dtype=torch.int64, device=x.device)  # no gradient to carry
+        if _first_frame_clean(batch.options, x.shape[2]):
+            if batch.clean is None:
+                raise ValueError("first_frame_clean needs the clean latent in the batch.")
+            x = torch.cat([batch.clean[:, :, :1].to(x.dtype), x[:, :, 1:]], dim=2)
+            clean[:, 0] = 1
+        return x, batch.timestep, batch.cond, clean
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
-        return None
+        """With ``first_frame_clean``, 0 on the first latent frame (given, not predicted; ComfyUI's sampler puts
+        the start latent back there)."""
+        frames = latent_shape[1] if len(latent_shape) == 4 else 1
+        if not _first_frame_clean(options, frames):
+            return None
+        mask = torch.ones(1, frames, 1, 1)
+        mask[:, 0] = 0.0
+        return mask
+
+    def run_metadata(self, diffusion_model: nn.Module, options: object) -> dict[str, str]:
+        """LoRA file metadata: whether it was trained image-to-video."""
+        if isinstance(options, CosmosPredict2Options) and options.first_frame_clean:
+            return {"cosmos_predict2.first_frame_clean": "true"}
+        return {}
 
     def text_length(self, lengths: Sequence[int]) -> int:
         """The longest cond of the micro-batch; the others get zero tokens, nothing is cut (ComfyUI pads
         captions to 512 tokens with zeroed states already, and the model takes no text mask)."""
         return max(lengths)
+
+
+def _first_frame_clean(options: object, frames: int) -> bool:
+    """Whether a clip of ``frames`` latent frames trains with a clean first frame (never a 1-frame one)."""
+    return isinstance(options, CosmosPredict2Options) and options.first_frame_clean and frames > 1
 
 
 ADAPTER = register(CosmosPredict2Adapter(), model_classes=("CosmosPredict2",))
