@@ -85,10 +85,9 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Int.Input("save_every", default=0, min=0, max=1_000_000,
                              tooltip="Also save a LoRA and a checkpoint every N steps into the run dir (0: only at the end)."),
                 io.Combo.Input("training_dtype", options=list(TRAIN_DTYPES), default=TrainSpec().dtype,
-                               tooltip="Compute dtype of the frozen base model (fp8 weights are cast to it); the "
-                                       "LoRA always trains in fp32. fp16 is not offered: it needs loss scaling. "
-                                       "This wins over ComfyUI's precision flags (--force-fp32, --bf16-unet, ...): "
-                                       "the run log notes each flag it set aside."),
+                               tooltip="Compute dtype of the frozen base (fp8 weights are cast to it); the LoRA "
+                                       "trains in fp32. It wins over ComfyUI's precision flags; the run log names"
+                                       " each flag set aside."),
                 io.Boolean.Input("gradient_checkpointing", default=True,
                                  tooltip="Recompute activations in backward: much less memory, ~30% slower.", **advanced()),
                 io.Int.Input("pipeline_stages", default=1, min=1, max=64,
@@ -97,20 +96,15 @@ class PipeTrainerTrain(io.ComfyNode):
                              tooltip="Copies of the whole pipeline that split each batch (data parallel); "
                                      "ranks = pipeline_stages x data_parallel.", **advanced()),
                 io.String.Input("gpus", default="", optional=True,
-                                tooltip="GPUs for the ranks, one per rank in rank order, e.g. '0,1,2,3' (ComfyUI's "
-                                        "GPU numbers, counted after --cuda-device / CUDA_VISIBLE_DEVICES). Empty: "
-                                        "ComfyUI's first pipeline_stages x data_parallel GPUs. Leave it empty when "
-                                        "ComfyUI runs on the CPU.", **advanced()),
+                                tooltip="One GPU per rank in rank order, e.g. '0,1' (ComfyUI's numbering, after "
+                                        "--cuda-device). Empty: ComfyUI's first GPUs. Leave empty on the CPU.", **advanced()),
                 io.Int.Input("checkpoint_interval", default=1, min=1, max=64, optional=True,
                              tooltip="With gradient checkpointing: layers per recomputed chunk (more = fewer "
                                      "recompute boundaries, more memory).", **advanced()),
                 io.Int.Input("blocks_to_swap", default=0, min=BLOCKS_TO_SWAP_AUTO, max=1024, optional=True,
-                             tooltip="Per pipeline stage: keep the frozen weights of the last N transformer blocks "
-                                     "in CPU memory and bring each block to the GPU only while it runs (LoRA "
-                                     "stays on the GPU). With gradient checkpointing it saves VRAM; costs speed, same results. 0 = off. "
-                                     "-1 = auto: before the run starts, the fewest blocks with which every stage fits "
-                                     "its GPU's free memory (the plan is shown here and in the run log). "
-                                     "On CPU it is accepted and changes nothing (auto: 0)."),
+                             tooltip="Per stage: keep the last N blocks' frozen weights in CPU memory, each "
+                                     "brought to the GPU while it runs (saves VRAM with checkpointing). 0 = off; "
+                                     "-1 = auto: the fewest that fit."),
                 io.Combo.Input("partition_method", options=list(PARTITION_METHODS), default="parameters",
                                tooltip="How layers are split into stages: balanced by parameter count, or equal layer counts.", **advanced()),
                 TimestepConfig.Input("timesteps", optional=True,
@@ -124,30 +118,25 @@ class PipeTrainerTrain(io.ComfyNode):
                                            tooltip="From 'Regularization Images (PipeTrainer)': prior images "
                                                    "mixed in by micro-batch, their loss scaled by its weight."),
                 io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
-                               tooltip="Guidance-distilled models (FLUX.1-dev): the guidance the model sees while "
-                                       "training. 1.0 is what the other trainers use for dev LoRAs: the LoRA learns "
-                                       "the content, not a guidance level, and samples well at 3.5. Families "
-                                       "without a guidance input do not use it."),
+                               tooltip="Guidance-distilled models (FLUX.1 dev): the guidance the model sees while"
+                                       " training. 1.0, as the other trainers use: samples well at 3.5. Unused by"
+                                       " other families."),
                 io.Boolean.Input("resume", default=True,
                                  tooltip="Continue an earlier run: from the checkpoint chosen in resume_from (by "
                                          "default the newest of this LoRA with the same settings). Off: start fresh."),
                 io.Combo.Input("resume_from", options=checkpoints.checkpoint_choices(paths.runs_root()),
                                default=checkpoints.NEWEST, optional=True,
-                               tooltip="With resume on: 'newest' continues the newest checkpoint of this LoRA with "
-                                       "the same settings; or pick a checkpoint (run folder / step; press R to "
-                                       "reload the list). A changed LR, schedule, seed, batch or dataset goes on "
-                                       "with a warning; a changed model, rank, alpha, targets, optimizer or stage "
-                                       "split is refused with the reason."),
+                               tooltip="With resume on: 'newest' (the newest checkpoint of this LoRA with these "
+                                       "settings) or a checkpoint (run / step; R reloads). A changed model, rank "
+                                       "or optimizer is refused."),
                 io.Boolean.Input("first_frame_clean", default=False, optional=True,
-                                 tooltip="Wan 2.2 TI2V-5B, LTX-Video, Kandinsky 5 video and Cosmos Predict2 "
-                                         "Video2World: train image-to-video as "
-                                         "ComfyUI samples it "
-                                         "(the first latent frame stays clean and is left out of the loss). Off: "
-                                         "text-to-video. Other families do not use it."),
+                                 tooltip="Image-to-video as ComfyUI samples it: the first latent frame stays "
+                                         "clean and out of the loss (Wan 2.2 TI2V, LTX-Video, Kandinsky 5, Cosmos"
+                                         " Video2World). Off: text-to-video."),
                 io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
-                               tooltip="Wan 2.2 A14B: which expert file this model is. Training then draws only that "
-                                       "expert's noise levels (high_noise: sigma at or above the boundary). Recorded "
-                                       "in the LoRA file. Other families do not use it.", **advanced()),
+                               tooltip="Wan 2.2 A14B: which expert this file is; training draws only its noise "
+                                       "levels (high_noise: sigma at or above the boundary). Recorded in the LoRA"
+                                       " file.", **advanced()),
                 io.Float.Input("expert_boundary", default=0.0, min=0.0, max=0.999, step=0.005, optional=True,
                                tooltip="Wan 2.2 A14B expert boundary sigma; 0 = the Wan 2.2 default (0.875 "
                                        "text-to-video, 0.9 image-to-video).", **advanced()),
