@@ -241,6 +241,7 @@ def refuse_unsupported(adapter: FamilyAdapter, diffusion_model: nn.Module) -> No
 _ADAPTERS: dict[str, FamilyAdapter] = {}  # family name -> adapter
 _MODEL_CLASSES: dict[str, str] = {}  # ComfyUI model class name (comfy.model_base.<name>) -> family name
 _EXACT_CLASSES: set[str] = set()  # those of _MODEL_CLASSES that are their family only as the model's own class
+_UNTRAINABLE: dict[str, str] = {}  # ComfyUI model class name -> why PipeTrainer cannot train it
 _discovered = False
 
 
@@ -285,6 +286,12 @@ def model_classes_of(family: str) -> list[str]:
     return sorted(cls for cls, name in _MODEL_CLASSES.items() if name == family)
 
 
+def refuse_model_class(name: str, reason: str) -> None:
+    """Say why ComfyUI's model class ``name`` (exactly that class) cannot be trained, where a family module
+    knows it (a relative its family does not claim): the refusal then names the class and gives ``reason``."""
+    _UNTRAINABLE[name] = reason
+
+
 def family_name_for(model_base: object) -> str:
     """The registered family of a ComfyUI ``BaseModel`` instance, walking its class hierarchy (a class
     registered exactly counts only as the model's own class)."""
@@ -293,6 +300,8 @@ def family_name_for(model_base: object) -> str:
     for cls in own.__mro__:
         if cls.__name__ in _MODEL_CLASSES and (cls is own or cls.__name__ not in _EXACT_CLASSES):
             return _MODEL_CLASSES[cls.__name__]
+    if own.__name__ in _UNTRAINABLE:
+        raise UnknownFamilyError(f"PipeTrainer cannot train {own.__name__} models: {_UNTRAINABLE[own.__name__]}")
     raise UnknownFamilyError(
         f"PipeTrainer cannot train {type(model_base).__name__} models yet. "
         f"Supported model families: {', '.join(known_families())}. "

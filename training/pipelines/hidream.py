@@ -66,7 +66,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_model_class, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -292,3 +292,6 @@ class HiDreamAdapter:
 
 
 ADAPTER = register(HiDreamAdapter(), model_classes=("HiDream",))
+refuse_model_class("HiDreamO1", "HiDream-O1 is a pixel-space Qwen3-VL decoder over text and image token ids (no VAE "
+                   "latent, no text states to cache), and its flow scales the noise, which PipeTrainer's objective "
+                   "does not follow. HiDream I1 (Full, Dev, Fast) trains.")

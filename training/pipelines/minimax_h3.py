@@ -35,7 +35,7 @@ import math
 
 from torch import nn
 
-from .base import StageLayer
+from .base import StageLayer, refuse_model_class
 
 FAMILY = "MiniMaxH3"
 _BLOCKS = r"blocks\.\d+\."
@@ -126,3 +126,8 @@ class MiniMaxH3Layout:
         _, ph, pw = diffusion_model.patch_size
         video = latent_t * math.ceil(height // 16 / ph) * math.ceil(width // 16 / pw)
         return text_tokens + 2 * audio_t + video
+
+
+refuse_model_class("MiniMaxH3", "its video and audio streams are one packed latent that ComfyUI's forward always reads "
+                   "together, and PipeTrainer cannot train the audio stream of this model yet. bench/minimax_h3_plan.py "
+                   "shows its stage split and memory plan.")
