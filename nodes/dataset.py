@@ -13,6 +13,7 @@ from ..training.data.captions import MAX_SHUFFLE_VARIANTS, CaptionOptions
 from ..training.data.dataset import CAPTION_POLICIES, BucketSettings, DatasetError, folder_fingerprint, scan_dataset
 from ..training.data.dataset_masks import FLIP_MODES, MASK_MODES
 from .advanced import advanced
+from .node_problems import refuse_once
 from .types import CATEGORY, Dataset
 
 
@@ -70,7 +71,8 @@ class PipeTrainerDataset(io.ComfyNode):
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
                                 tooltip="Edit models (Kontext, Qwen-Image-Edit): reference images named like the "
-                                        "training images (name.png, name_1.png...); each needs one. Inside "
+                                        "training images (name.png, name_1.png...); each needs one. With videos: "
+                                        "Wan VACE control clips (name.mp4, optional name_mask.mp4/.png). Inside "
                                         "ComfyUI's input folder; empty = none.", **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Share of items trained on the empty caption, drawn per item and step "
@@ -114,17 +116,32 @@ class PipeTrainerDataset(io.ComfyNode):
         return folder_fingerprint(resolve_folder(folder)) + control + masks
 
     @classmethod
-    def validate_inputs(cls, extra_resolutions: str | None = None) -> bool | str:
-        """Only ``extra_resolutions`` (free text): ComfyUI attaches the message to every input named here,
-        so naming one puts it on that widget, and still range-checks the others itself. An empty
-        ``folder`` is refused by execute (naming it here would ring both widgets)."""
-        if extra_resolutions is None:  # linked: no value before execution
+    def validate_inputs(cls, folder: str | None = None, missing_caption: str | None = None,
+                        control_folder: str | None = "", mask: str | None = "none", mask_folder: str | None = "",
+                        extra_resolutions: str | None = "") -> bool:
+        """The folder's one-pass check at queue time, so its problems (a missing folder, missing captions, files
+        that cannot be read, unpaired references and masks) come in the same answer as every other node's, once
+        on this node (nodes/node_problems.py). A linked input has no value yet: then :meth:`execute` checks.
+        Buckets, resolution and caption options are checked by :meth:`execute` (ComfyUI range-checks the
+        numbers it is not given here)."""
+        values = (folder, missing_caption, control_folder, mask, mask_folder, extra_resolutions)
+        if any(v is None for v in values):
             return True
+        problems = []
         try:
             parse_resolutions(64, extra_resolutions)
         except DatasetError as exc:
-            return str(exc)
-        return True
+            problems.append(str(exc))
+        if not folder.strip():
+            problems.append("folder is empty: give a folder of captioned images.")
+        else:
+            try:
+                scan_dataset(resolve_folder(folder), 512, missing_caption=missing_caption,
+                             control_folder=resolve_folder(control_folder) if control_folder.strip() else None,
+                             mask=mask, mask_folder=resolve_folder(mask_folder) if mask_folder.strip() else None)
+            except DatasetError as exc:
+                problems.append(str(exc))
+        return refuse_once(problems)
 
     @classmethod
     def bucket_settings(cls, resolution: int, aspect_buckets: int = 1, min_ratio: float = 0.5,

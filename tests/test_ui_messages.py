@@ -64,12 +64,35 @@ def test_a_bad_lora_name_is_refused_on_that_widget_and_nothing_runs(server, comf
     assert not list((comfy_root / "output" / "pipetrainer" / "runs").glob("*evil*"))
 
 
-def test_a_free_input_is_refused_on_its_own_widget(server):
-    prompt = _workflow()
-    prompt[DATASET]["inputs"]["extra_resolutions"] = "256, big"
-    errors = _refused(server, prompt)["node_errors"][DATASET]["errors"]
-    assert {e["extra_info"]["input_name"] for e in errors} == {"extra_resolutions"}, errors
-    assert "whole numbers" in errors[0]["details"]
+def test_a_bad_dataset_and_a_bad_adapter_come_in_one_answer_each_problem_once(server, comfy_root, fixture_paths):
+    """One queue: a missing caption, a truncated PNG and a bad extra resolution on the Dataset node, and a LoKr
+    with dropout on the LoRA node. Every problem comes in the queue's one answer, once, on its node (the folder
+    is checked at queue time, nodes/dataset.py ``validate_inputs``), and nothing runs."""
+    import shutil
+
+    folder = f"bad_dataset_{uuid.uuid4().hex[:6]}"
+    data = comfy_root / "input" / folder
+    shutil.copytree(fixture_paths.dataset, data)
+    try:
+        first = sorted(data.glob("*.png"))[0]
+        first.with_suffix(".txt").unlink()  # a missing caption
+        second = sorted(data.glob("*.png"))[1]
+        second.write_bytes(second.read_bytes()[:-40])  # the PNG ends before its IEND chunk
+        prompt = _workflow()
+        prompt[DATASET]["inputs"].update(folder=folder, extra_resolutions="256, big")
+        prompt[LORA]["inputs"].update(adapter="lokr", dropout=0.1)
+        queue_before = server.get("/queue")
+        answer = _refused(server, prompt)
+        shown = [e["details"] for errors in answer["node_errors"].values() for e in errors["errors"]]
+        [dataset] = answer["node_errors"][DATASET]["errors"]
+        [adapter] = answer["node_errors"][LORA]["errors"]
+        for fragment in ("have no caption", first.name, f"{second.name}: the PNG ends before", "whole numbers"):
+            assert fragment in dataset["details"], (fragment, dataset["details"])
+            assert sum(fragment in details for details in shown) == 1, (fragment, shown)
+        assert "dropout" in adapter["details"]
+        assert server.get("/queue") == queue_before
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def test_problems_of_combined_inputs_come_once_per_node_in_one_answer(server):
