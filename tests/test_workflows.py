@@ -202,7 +202,8 @@ EXAMPLES = {
     "pipetrainer_kandinsky5_i2v": ("Kandinsky5Video", {"first_frame_clean": True}, set()),
 }
 LOADERS = {"PipeTrainerLoadDiffusionModel", "PipeTrainerLoadCheckpoint", "PipeTrainerLoadGGUF"}
-SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider", "DualModelGuider"}
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "BasicGuider", "CFGGuider", "DualCFGGuider",
+            "DualModelGuider"}
 
 
 def _only(api: dict, class_type: str) -> tuple[str, dict]:
