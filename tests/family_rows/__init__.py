@@ -49,7 +49,8 @@ class Row:
     extras: Callable[[Any, torch.Tensor, torch.Generator], dict[str, torch.Tensor]] = _no_extras
     id: str = ""  # test id when a family has several rows (defaults to the family)
     # How an in-memory row's 2-stage training compares with 1 stage (tests/test_stage_split.py): "bitwise";
-    # "alike" where a tensor's gradient is summed from both sides of a cut (the UNet's skips: fp32 rounding);
+    # "alike" (fp32 rounding after a step) for a row not yet shown bitwise: with the trainer's single backward per
+    # stage (patches/deepspeed_pipe_backward.py) a cut does not change a gradient's summation order;
     # "as <row id>" where another row has the same stage layout (its split says it all).
     stage_split: str = "bitwise"
 

@@ -43,10 +43,8 @@ def _kwargs(cond, pooled, options, extras):
     return {"guidance": torch.full((cond.shape[0],), options.guidance), "ref_latents": refs}
 
 
-# Two-stream blocks: after one step the 2-stage LoRA differs from the 1-stage one by fp32 rounding (the first
-# loss is bitwise; seen <= 1e-5 relative), so the split is checked "alike" (tests/test_stage_split.py)
 ROWS = [
     Row("Flux2", "ComfyUI's Flux2 config class, hidden 64, 2 reference latents, in memory",
         load=lambda comfy_root, fixture_paths: flux2_small(), latent=(8, 7, 5), tokens=512, comfy_kwargs=_kwargs,
-        extras=_extras, stage_split="alike"),
+        extras=_extras),
 ]

@@ -128,15 +128,13 @@ def _mask_kwargs(cond, pooled, options, extras):
             "guidance": torch.full((cond.shape[0],), options.guidance)}
 
 
-# Two-stream blocks: the 2-stage LoRA differs from the 1-stage one by fp32 rounding (the shared ``vec``'s
-# gradient is summed in another order), so the split is checked "alike" (tests/test_stage_split.py).
 ROWS = [
     Row("HunyuanVideo15", "ComfyUI's HunyuanVideo15 config class, hidden 64, guidance, narrow ByT5 mapper, in memory",
         load=_loader("HunyuanVideo15", True, 1, 1, 51), latent=LATENT, tokens=6, comfy_kwargs=_byt5_kwargs,
-        extras=_byt5, id="HunyuanVideo15", stage_split="alike"),
+        extras=_byt5, id="HunyuanVideo15"),
     Row("HunyuanVideo15", "ComfyUI's HunyuanVideo15 config class, hidden 64, 2 double blocks, text mask, in memory",
         load=_loader("HunyuanVideo15Masked", False, 2, 0, 53), latent=LATENT, tokens=9, comfy_kwargs=_mask_kwargs,
-        extras=_mask, id="HunyuanVideo15Masked", stage_split="alike"),
+        extras=_mask, id="HunyuanVideo15Masked"),
     Row("HunyuanVideo15", "detected file, 3.30 M (build_tiny_hunyuan_video15); text mask, no guidance embedding",
         load=_load_detected, latent=LATENT, tokens=9, model_path=_detected_path, comfy_kwargs=_detected_kwargs,
         extras=_mask, id="HunyuanVideo15Detected"),

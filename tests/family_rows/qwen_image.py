@@ -36,12 +36,10 @@ def edit_kwargs(cond, pooled, options, extras):
     return {"ref_latents": [extras[reference_extra(i)] for i in range(len(extras))]}
 
 
-# Two-stream blocks: after one step the 2-stage LoRA differs from the 1-stage one by fp32 rounding (the first
-# loss is bitwise; seen <= 1e-5 relative), so the split is checked "alike" (tests/test_stage_split.py)
 ROWS = [
     Row("QwenImage", "ComfyUI's QwenImage config class, hidden 32 (detection pins 3072), in memory",
-        load=lambda comfy_root, fixture_paths: qwen_image_small(), latent=(16, 1, 7, 5), tokens=5, stage_split="alike"),
+        load=lambda comfy_root, fixture_paths: qwen_image_small(), latent=(16, 1, 7, 5), tokens=5),
     Row("QwenImage", "the same model as an edit model: two reference latents (ref_latents, index method)",
         load=lambda comfy_root, fixture_paths: qwen_image_small(), latent=(16, 1, 6, 7), tokens=4,
-        extras=reference_latents, comfy_kwargs=edit_kwargs, id="QwenImageEdit", stage_split="alike"),
+        extras=reference_latents, comfy_kwargs=edit_kwargs, id="QwenImageEdit"),
 ]

@@ -56,7 +56,7 @@ def _row(row_id: str, load, stage_split: str) -> Row:
 
 
 ROWS = [  # SD 2.x differs from SD 1.5 in widths and heads, not in what crosses a stage boundary
-    _row("SD15", sd1_small, "alike"),
+    _row("SD15", sd1_small, "bitwise"),
     _row("SD2", lambda: sd2_small(v_pred=False), "as SD15"),
     _row("SD2_vpred", lambda: sd2_small(v_pred=True), "as SD15"),
 ]

@@ -79,6 +79,6 @@ def _row(row_id: str, flags: dict, stage_split: str) -> Row:
 
 
 ROWS = [
-    _row("SDXL", {}, "alike"),
+    _row("SDXL", {}, "bitwise"),
     _row("SDXL_vpred", {"v_pred": torch.zeros(0)}, "as SDXL"),  # v-prediction changes the target, not the layers
 ]

@@ -52,12 +52,8 @@ def _kwargs(cond, pooled, options, extras):
     return {"vace_context": extras["vace_context"], "vace_strength": [1.0]}
 
 
-# After a step the 2-stage LoRA differs from the 1-stage one by fp32 rounding (both losses bitwise; seen ~1e-7
-# relative: ``e0`` and ``context``, read by main and VACE blocks on both sides of a cut, get their gradient
-# summed in another order), so the split is checked "alike" (tests/test_stage_split.py)
 ROWS = [
     Row("WanVace", "ComfyUI's WAN21_Vace config class, width 64 (detection pins text 4096), in memory; 4 main + "
         "2 VACE blocks, a seeded control stream", load=lambda comfy_root, fixture_paths: wan_vace_small(),
-        latent=LATENT, tokens=5, extras=_extras, comfy_kwargs=_kwargs,
-        stage_split="alike"),
+        latent=LATENT, tokens=5, extras=_extras, comfy_kwargs=_kwargs),
 ]
