@@ -9,10 +9,12 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.cache import reference_prompt
+from ..training.cache.clip_sound import ClipSound
 from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
+from ..training.cache.vace_control import VACE_CONTROL_MODES, VaceControl
 from .checks import preflight
 from .run.progress_text import show_text
 from .types import CATEGORY, Cache, Dataset
@@ -53,29 +55,26 @@ class PipeTrainerCache(io.ComfyNode):
                                        "training_dtype. bf16 halves the cache and what each training rank reads; "
                                        "caches written in fp32 before still load."),
                 io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
-                               tooltip="Image-to-video training (Wan 2.1 / 2.2 I2V models). first_frame also caches "
-                                       "each clip's first frame as the start image, the way 'WanImageToVideo' "
-                                       "conditions on it (its VAE latent followed by gray frames, the clip's frame "
-                                       "count, at the clip's bucket size; an image is its own start image) and, with "
-                                       "a CLIP vision model connected, its 'CLIP Vision Encode' features (crop none, "
-                                       "as in ComfyUI's Wan I2V template). none: text-to-video / text-to-image. "
-                                       "Part of the cache key: changing it re-encodes the latents."),
+                               tooltip="Image-to-video (Wan I2V): first_frame caches each clip's first frame as "
+                                       "WanImageToVideo conditions on it (with CLIP vision features when "
+                                       "connected). none: text-to-video. README: Cache."),
                 io.ClipVision.Input("clip_vision", optional=True,
                                     tooltip="Wan 2.1 I2V only: the CLIP vision model its workflow uses (e.g. "
                                             "clip_vision_h from 'Load CLIP Vision'). Needs start_image first_frame; "
                                             "Wan 2.2 I2V takes none. Its weights are part of the cache key."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
-                               tooltip="Edit datasets (a control folder) with a text encoder that reads images "
-                                       "(Qwen-Image-Edit's Qwen2.5-VL): encode each caption together with its "
-                                       "item's reference images, exactly as the text-encode node you sample with "
-                                       "does, so the LoRA trains under the conditioning it samples with. "
-                                       "edit_plus: TextEncodeQwenImageEditPlus (Qwen-Image-Edit 2509 / 2511, "
-                                       "'Picture N:' per image, up to 3); edit: TextEncodeQwenImageEdit (the first "
-                                       "Qwen-Image-Edit, one image). auto: the Plus node's encoding when the text "
-                                       "encoder reads images and the dataset has references, else off. off: "
-                                       "captions alone. The references join the text key: a changed reference "
-                                       "re-encodes its item's caption too."),
+                               tooltip="Edit datasets with an image-reading text encoder (Qwen-Image-Edit): "
+                                       "encode each caption with its references as your text-encode node does "
+                                       "(edit_plus / edit); auto picks. README: Cache."),
+                io.Combo.Input("vace_control", options=list(VACE_CONTROL_MODES), default="off", optional=True,
+                               tooltip="Wan 2.1 VACE: on caches each clip's control clip (and mask) from the "
+                                       "control folder as WanVaceToVideo builds it; a changed control re-encodes "
+                                       "its item only. off: other models."),
+                io.Vae.Input("audio_vae", optional=True,
+                             tooltip="LTX-2 only: the audio VAE from 'LTXV Audio VAE Loader'. Each clip's sound, "
+                                     "cut to the kept frames, is cached with it (silence for clips without "
+                                     "sound). Needs no torchaudio."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -84,7 +83,8 @@ class PipeTrainerCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset, vae, clip, text_dtype: str = "bf16", start_image: str = NO_START_IMAGE,
-                clip_vision=None, reference_in_prompt: str = reference_prompt.AUTO) -> io.NodeOutput:
+                clip_vision=None, reference_in_prompt: str = reference_prompt.AUTO,
+                vace_control: str = "off", audio_vae=None) -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
@@ -94,11 +94,14 @@ class PipeTrainerCache(io.ComfyNode):
         start = StartImage(start_image, clip_vision)
         references = [(os.path.basename(e.path), len(e.references)) for e in dataset.entries]
         style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references)
-        problems = (start.problems() or prompt_problems or text_encoder_problems(clip)
+        vace = VaceControl(vace_control, vae)
+        problems = (start.problems() or vace.problems(dataset.entries, getattr(dataset, "flip", "none"))
+                    or prompt_problems or text_encoder_problems(clip)
                     or preflight.cache_problems(dataset, vae, clip, cache_root()))
         if problems:
             raise ValueError("\n".join(problems))
-        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style)
+        sound = ClipSound(audio_vae)  # refuses a VAE that is not an LTX-2 audio VAE, naming the loader
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style, vace, sound)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from pipetrainer.tests.family_rows import Row, all_rows
-from pipetrainer.tests.family_rows.common import cache_items, collect_warnings
+from pipetrainer.tests.family_rows.common import cache_items, collect_warnings, joined_streams
 from pipetrainer.tests.helpers import losses, make_spec, run_training
 from pipetrainer.training.pipelines.base import Batch, adapter_for, family_name_for, known_families
 from pipetrainer.training.spec.choices import TARGET_PRESETS
@@ -58,7 +58,8 @@ def row(request) -> Row:
 
 
 def _example(row: Row, model, seed: int = 0):
-    """``(noisy, sigma, cond, pooled, Noised, extras, clean)`` of one seeded example, built as the trainer builds it."""
+    """``(noisy, sigma, cond, pooled, Noised, extras, clean, latent_shapes)`` of one seeded example, built as the
+    trainer builds it (a model taking several latents as one, LTX-2, gets them packed: ``latent_shapes``)."""
     from pipetrainer.training.objective.loss import noisy_input_and_target
 
     adapter = adapter_for(row.family)
@@ -74,11 +75,17 @@ def _example(row: Row, model, seed: int = 0):
     noisy = model.model_sampling.noise_scaling(sigma.view(-1, *[1] * (x0.ndim - 1)), noise, x0)
     extras = row.extras(model, x0, g)
     assert set(extras) <= set(adapter.extras(dm)), sorted(extras)
-    return noisy, sigma, cond, pooled, noised, extras, x0
+    x0, shapes = joined_streams(adapter, dm, x0, extras)
+    if shapes:  # the packed latent, noised as one (as ComfyUI's sampler and the trainer do)
+        noise = torch.randn(x0.shape, generator=g)
+        noised = noisy_input_and_target(model.model_sampling, x0, noise, sigma)
+        noisy = model.model_sampling.noise_scaling(sigma.view(-1, *[1] * (x0.ndim - 1)), noise, x0)
+    return noisy, sigma, cond, pooled, noised, extras, x0, shapes
 
 
-def _staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint: bool = False):
-    batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=extras, options=options, clean=clean)
+def _staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint: bool = False, shapes=()):
+    batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=extras, options=options, clean=clean,
+                  latent_shapes=shapes)
     out = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in adapter.first_stage_inputs(batch))
     for layer in layers:
         out = torch.utils.checkpoint.checkpoint(layer, out, use_reentrant=False) if checkpoint else layer(out)
@@ -86,8 +93,10 @@ def _staged(adapter, layers, noised, cond, pooled, options, extras, clean, check
 
 
 def _comfy_denoised(model, noisy, sigma, cond, pooled, row: Row, options, extras) -> torch.Tensor:
+    # a row's kwargs may replace c_crossattn by what the model's extra_conds makes of the cond (LTX-2's connectors)
+    kwargs = {"c_crossattn": cond, **row.comfy_kwargs(cond, pooled, options, extras)}
     with torch.no_grad():
-        return model.apply_model(noisy, sigma, c_crossattn=cond, **row.comfy_kwargs(cond, pooled, options, extras))
+        return model.apply_model(noisy, sigma, **kwargs)
 
 
 def _with_lora(adapter, layers, preset: str, rank: int = 4, alpha: float = 2.0, seed: int = 3):
@@ -116,9 +125,10 @@ def test_staged_forward_equals_comfyuis_unsplit_forward(row, comfy_root, fixture
     assert family_name_for(model) == row.family
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    noisy, sigma, cond, pooled, noised, extras, clean = _example(row, model)
+    noisy, sigma, cond, pooled, noised, extras, clean, shapes = _example(row, model)
     with torch.no_grad():
-        out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options, extras, clean)
+        out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options, extras, clean,
+                      shapes=shapes)
     assert out.shape == noisy.shape
     ours = model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
     theirs = _comfy_denoised(model, noisy, sigma, cond, pooled, row, options, extras)
@@ -138,13 +148,14 @@ def test_lora_gradients_match_finite_differences(row, comfy_root, fixture_paths)
     model = _load(row, comfy_root, fixture_paths).model
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    _, sigma, cond, pooled, noised, extras, clean = _example(row, model, seed=1)
+    _, sigma, cond, pooled, noised, extras, clean, shapes = _example(row, model, seed=1)
     layers = adapter.stage_layers(model.diffusion_model)
     _, _, stage, _ = _with_lora(adapter, layers, "attention_mlp")
     params = list(named_lora_parameters(stage).values())
 
     def loss(checkpoint=False):
-        return (_staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint) - noised.target).pow(2).mean()
+        out = _staged(adapter, layers, noised, cond, pooled, options, extras, clean, checkpoint, shapes)
+        return (out - noised.target).pow(2).mean()
 
     plain = torch.autograd.grad(loss(), params)
     checked = torch.autograd.grad(loss(checkpoint=True), params)
@@ -196,11 +207,11 @@ def test_saved_lora_is_consumed_by_comfyui_and_reproduces_the_trainers_forward(r
     reference.model.diffusion_model.load_state_dict(trainer.model.diffusion_model.state_dict())  # equal weights
     adapter = adapter_for(row.family)
     options = adapter.options_type()
-    noisy, sigma, cond, pooled, noised, extras, clean = _example(row, trainer.model, seed=2)
+    noisy, sigma, cond, pooled, noised, extras, clean, shapes = _example(row, trainer.model, seed=2)
     layers = adapter.stage_layers(trainer.model.diffusion_model)
     lora, indexed, stage, count = _with_lora(adapter, layers, "all_linear")
     with torch.no_grad():
-        out = _staged(adapter, layers, noised, cond, pooled, options, extras, clean)
+        out = _staged(adapter, layers, noised, cond, pooled, options, extras, clean, shapes=shapes)
     ours = trainer.model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
     tensors = stage_lora_tensors(stage, {i: layer.comfy_paths for i, layer in indexed}, lora)
 

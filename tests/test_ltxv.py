@@ -178,12 +178,12 @@ def test_family_rules(comfy_root, fixture_paths):
 
 
 def test_relatives_are_refused_by_name(comfy_root):
-    """Anything but LTX-Video's own model; on current ComfyUI LTX-2 (LTXAV, registered so that preflight
-    names it) and LTX layouts with cross-attention AdaLN or a text connector."""
+    """Anything but LTX-Video's own model (LTX-2, class LTXAV, is a family of its own: LTX2) and LTX layouts with
+    cross-attention AdaLN or a text connector."""
     import comfy.ldm.lightricks.model as ltx
 
     adapter = adapter_for("LTXV")
-    assert "LTXAV" in model_classes_of("LTXV")
+    assert "LTXAV" not in model_classes_of("LTXV")
     assert "not an LTX-Video model" in adapter.support_problems(torch.nn.Linear(2, 2))[0]
     tiny = {"in_channels": 128, "cross_attention_dim": 64, "attention_head_dim": 2, "num_attention_heads": 32,
             "caption_channels": 64, "num_layers": 1, "device": "meta", "operations": torch.nn}
@@ -199,9 +199,8 @@ def test_relatives_are_refused_by_name(comfy_root):
         "caption_channels": 64, "audio_cross_attention_dim": 64, "audio_attention_head_dim": 2})
     config.set_inference_dtype(torch.float32, None)
     av = comfy.model_base.LTXAV(config, device="meta")  # ComfyUI's own LTX-2 model class, no weights
-    assert family_name_for(av) == "LTXV"
-    problems = checks.model_support_problems(av)  # preflight, in the ComfyUI process
-    assert len(problems) == 1 and "LTX-2 audio-video (LTXAV)" in problems[0]
+    assert family_name_for(av) == "LTX2" and checks.model_support_problems(av) == []  # its own family
+    assert "LTX-2 audio-video (LTXAV)" in adapter.support_problems(av.diffusion_model)[0]  # never LTX-Video's
     with pytest.raises(NotImplementedError, match="LTXAV"):
         adapter.stage_layers(av.diffusion_model)
     for layout in ({"cross_attention_adaln": True}, {"caption_proj_before_connector": True}):

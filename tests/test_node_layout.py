@@ -47,3 +47,17 @@ def test_the_first_view_holds_what_every_run_sets(server):
             assert name in info[node]["input"].get("optional", {}) or "default" in inputs[name], (node, name)
         assert {"lora_name", "steps", "seed", "resume"} <= set(shown) or node != "PipeTrainerTrain", shown
         assert "folder" in shown or node != "PipeTrainerDataset", shown
+
+
+def test_every_tooltip_is_short_enough_to_read(server):
+    """A tooltip is read while hovering: at most about 200 characters (the README's node table has the rest)."""
+    info = server.get("/object_info")
+    long = {}
+    for node, spec in info.items():
+        if spec.get("python_module", "").endswith("ComfyUI-PipeTrainer") or node.startswith("PipeTrainer"):
+            for group in ("required", "optional"):
+                for name, entry in spec["input"].get(group, {}).items():
+                    tip = entry[1].get("tooltip", "") if len(entry) > 1 and isinstance(entry[1], dict) else ""
+                    if len(tip) > 200:
+                        long[f"{node}.{name}"] = len(tip)
+    assert long == {}, long

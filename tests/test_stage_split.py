@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pipetrainer.tests.family_rows import all_rows
+from pipetrainer.tests.family_rows.common import joined_streams
 
 ROWS = {row.name: row for row in all_rows() if row.model_path is None}
 SPLIT = sorted(name for name, row in ROWS.items() if not row.stage_split.startswith("as "))
@@ -39,8 +40,12 @@ def _batch(row, model, g: torch.Generator):
     noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), sigma)
     cond = torch.randn(1, row.tokens, context, generator=g)
     pooled = torch.randn(1, pooled_dim, generator=g) if pooled_dim else None
-    batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=row.extras(model, x0, g),
-                  options=adapter.options_type())
+    extras = row.extras(model, x0, g)
+    x0, shapes = joined_streams(adapter, model.diffusion_model, x0, extras)
+    if shapes:  # a model taking several latents as one (LTX-2): packed, noised as one
+        noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), sigma)
+    batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=extras,
+                  options=adapter.options_type(), latent_shapes=shapes)
     return batch, noised.target
 
 

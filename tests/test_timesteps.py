@@ -57,6 +57,7 @@ FAMILY_SAMPLING = {
     "SDXL": ("SDXL", {"model_channels": 320, "adm_in_channels": 2816}, "EPS"),  # 1000 discrete steps
     "SD1/SD2": ("SD15", {"model_channels": 320}, "EPS"),  # the same 1000 steps (SD 2.x v too)
     "LTXV": ("LTXV", {"image_model": "ltxv"}, "FLUX"),  # mu 2.37
+    "LTX2": ("LTXAV", {"image_model": "ltxav"}, "FLUX"),  # LTXV's mu 2.37 (current ComfyUI only)
     "AuraFlow": ("AuraFlow", {"cond_seq_dim": 2048}, "FLOW"),  # shift 1.73
     "PixArt": ("PixArtSigma", {"image_model": "pixart_sigma"}, "EPS"),  # 1000 steps, sqrt_linear betas
     "Krea2": ("Krea2", {"image_model": "krea2"}, "FLUX"),  # mu 1.15 (current ComfyUI only)

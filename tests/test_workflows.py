@@ -183,6 +183,7 @@ EXAMPLES = {
     "pipetrainer_wan21_i2v": ("Wan", {}, {"start_image", "clip_vision"}),
     "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),
     "pipetrainer_wan22_ti2v": ("Wan", {"first_frame_clean": True}, set()),
+    "pipetrainer_wan_vace": ("WanVace", {}, {"control_folder", "vace_control"}),
     "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
     "pipetrainer_hunyuan_video15": ("HunyuanVideo15", {"guidance": 1.0}, set()),
     "pipetrainer_ltxv": ("LTXV", {}, set()),
@@ -195,6 +196,7 @@ EXAMPLES = {
     "pipetrainer_ideogram4": ("Ideogram4", {}, set()),
     "pipetrainer_cosmos_predict2_t2i": ("CosmosPredict2", {}, set()),
     "pipetrainer_cosmos_predict2_i2v": ("CosmosPredict2", {"first_frame_clean": True}, set()),
+    "pipetrainer_ltx2": ("LTX2", {}, {"audio_vae"}),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
@@ -250,6 +252,8 @@ def test_each_example_sets_its_family_options_and_data(api_file, object_info):
     assert bool(dataset["inputs"].get("control_folder")) == ("control_folder" in needs)
     assert (cache["inputs"].get("start_image", "none") == "first_frame") == ("start_image" in needs)
     assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
+    assert isinstance(cache["inputs"].get("audio_vae"), list) == ("audio_vae" in needs)
+    assert (cache["inputs"].get("vace_control", "off") == "on") == ("vace_control" in needs)
 
 
 @pytest.mark.parametrize("api_file", API_FILES, ids=[p.stem for p in API_FILES])

@@ -188,7 +188,7 @@ def plan_facts(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimize
     """What each stage holds and the workload that sets its activations, for this model and run."""
     from ...training.pipelines.base import adapter_for
     from ...training.pipelines.checks import model_inputs
-    from ...training.pipelines.targets import run_target_regex
+    from ...training.pipelines.targets import preset_regex, run_target_regex
 
     inputs = model_inputs(model.model)
     adapter, dm = adapter_for(inputs.family), model.model.diffusion_model
@@ -196,8 +196,8 @@ def plan_facts(model: ModelPatcher, cache: CacheResult, lora: LoraSpec, optimize
     boundaries = stage_boundaries(layers, train.pipeline_stages, train.partition_method)
     try:
         regex = run_target_regex(adapter, dm, lora)
-    except ValueError:  # a bad block range is its own preflight problem: plan for the whole preset
-        regex = adapter.lora_target_regex(lora.targets)
+    except ValueError:  # a bad block range or a preset the family lacks is its own preflight problem
+        regex = preset_regex(adapter, lora.targets)
     compute = COMPUTE_BYTES.get(train.dtype, 4)
     held = stage_weights(layers, boundaries, compute, regex, lora)
     work = Workload(tokens=example_tokens(adapter, dm, cache), hidden=hidden_width(layers),

@@ -95,6 +95,17 @@ def cache_items(row, model, folder: Path, count: int = 2) -> list:
     return items
 
 
+def joined_streams(adapter, dm, x0: torch.Tensor, extras: dict) -> tuple[torch.Tensor, tuple]:
+    """``(x0, ())``, or for a family whose model takes several latents as one (``ExtraSpec.joins_latent``:
+    LTX-2's audio) ``x0`` packed with those extras as the trainer packs them, and the streams' shapes."""
+    from pipetrainer.training.data.joint_latent import join_latent, joined_names
+
+    names = joined_names(adapter.extras(dm))
+    if not names:
+        return x0, ()
+    return join_latent(x0, [extras[n] for n in names])
+
+
 def require_model_class(name: str, added: str = "after ComfyUI 0.3.75") -> None:
     """Skip the calling test when this ComfyUI has no ``comfy.model_base.<name>`` (a family the host lacks),
     naming the missing class, as the suite does for every family newer than a host."""

@@ -15,7 +15,7 @@ def adapter_target_problems(model_base: object, lora: LoraSpec) -> list[str]:
     ``blocks`` range against the model's block counts, and the ``init_lora`` file against the targets."""
     from ..pipelines.base import adapter_for
     from ..pipelines.checks import model_inputs
-    from ..pipelines.targets import block_range_problems, model_targets, run_target_regex
+    from ..pipelines.targets import block_range_problems, model_targets, preset_problems, run_target_regex
     from ..quant.layers import is_comfy_quant_linear, is_linear_like
 
     kind = REGISTRY.get(lora.adapter)
@@ -23,7 +23,7 @@ def adapter_target_problems(model_base: object, lora: LoraSpec) -> list[str]:
     if kind is None or inputs is None:
         return []  # the spec's own check names an unknown type; an unknown family is reported elsewhere
     family, dm = adapter_for(inputs.family), model_base.diffusion_model
-    problems = block_range_problems(family, dm, lora)
+    problems = preset_problems(family, lora.targets) or block_range_problems(family, dm, lora)
     if problems:
         return problems
     targets = model_targets(dm, run_target_regex(family, dm, lora))

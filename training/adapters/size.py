@@ -68,7 +68,7 @@ def model_adapter_parameter_count(model_base: object, lora: LoraSpec) -> int:
     unknown adapter type (both are reported by their own checks)."""
     from ..pipelines.base import adapter_for
     from ..pipelines.checks import model_inputs
-    from ..pipelines.targets import model_targets, run_target_regex
+    from ..pipelines.targets import model_targets, preset_regex, run_target_regex
 
     inputs = model_inputs(model_base)
     if inputs is None or lora.adapter not in PER_LINEAR:
@@ -76,7 +76,7 @@ def model_adapter_parameter_count(model_base: object, lora: LoraSpec) -> int:
     dm, family = model_base.diffusion_model, adapter_for(inputs.family)
     try:
         regex = run_target_regex(family, dm, lora)
-    except ValueError:  # a bad block range is its own preflight problem: estimate for the whole preset
-        regex = family.lora_target_regex(lora.targets)
+    except ValueError:  # a bad block range or a preset the family lacks is its own preflight problem
+        regex = preset_regex(family, lora.targets)
     targets = model_targets(dm, regex)
     return adapter_parameter_count(lora, ((int(m.in_features), int(m.out_features)) for m in targets.values()))

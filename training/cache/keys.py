@@ -60,6 +60,7 @@ _CHANGE_NAMES = {
     "start_image": "start-image conditioning changed",
     "flip": "flip variant changed",
     "mask": "loss mask changed",
+    "vace": "VACE control changed",  # vace_control.py: control and mask digests, encode identity
     "caption": "caption changed",
     "encoder": "text encoder changed",
     "stored": "stored text dtype changed",

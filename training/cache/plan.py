@@ -104,6 +104,9 @@ def latent_variants(flip: str, mask: str, mask_digest: str = "") -> dict:
     return out
 
 
+VACE_CONTEXT_CHANNELS = 96  # vace_control.py: 2 x 16 Wan 2.1 latent channels + 8 x 8 mask cells
+
+
 @dataclass(frozen=True)
 class LatentLayout:
     """What one item's latent entry holds at one resolution, besides its family's extras."""
@@ -111,16 +114,19 @@ class LatentLayout:
     latents: int  # latents of the item's pixels: its own, and the mirrored one with flip
     references: int  # single-frame image latents, one per reference image
     mask_channels: int  # the loss mask: one channel on the latent grid, for a clip too
+    control_channels: int = 0  # VACE vace_context per latent frame: 2 latents and the 64-channel folded mask
 
     def elements(self, channels: int, frames: int, cells: int) -> int:
         """Elements of the entry for a latent of ``channels`` x ``frames`` over ``cells`` grid cells."""
-        return (channels * frames * self.latents + channels * self.references + self.mask_channels) * cells
+        per_frame = channels * self.latents + self.control_channels
+        return (per_frame * frames + channels * self.references + self.mask_channels) * cells
 
 
 def latent_layout(entry: ImageEntry, flip: str, mask: str) -> LatentLayout:
     """The latent entry of ``entry`` under the Dataset node's flip and mask options."""
     return LatentLayout(latents=2 if caches_flip(flip) else 1, references=len(getattr(entry, "references", ())),
-                        mask_channels=1 if caches_mask(mask) else 0)
+                        mask_channels=1 if caches_mask(mask) else 0,
+                        control_channels=VACE_CONTEXT_CHANNELS if getattr(entry, "controls", ()) else 0)
 
 
 # ---- the plan of one item ----------------------------------------------------------------------

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.dataset import DatasetSpec, ImageEntry
+from ..data.media_probe import Probe, probe_image, probe_video
 from ..pipelines.base import reference_extra
 from ..spec.options import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
+from .clip_sound import ClipSound
 from .encoders import IMAGE_VAE_FRAME_STEP, ComfyEncoders, Encoders, stored_text
 from .index import CacheIndex, Entry, Source
 from .keys import (
@@ -52,13 +54,14 @@ from .keys import (
     variants_signature,
 )
 from .masks import encode_variants, mask_size_problem
-from .media import Probe, load_image, load_video, probe_image, probe_video
+from .media import load_image, load_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
 from .reference_prompt import PromptStyle, load_reference
 from .report import CacheReport
 from .shards import ShardWriter, checksum, pack
 from .start_image import StartImage
+from .vace_control import VaceControl
 
 CROP_NOTE_THRESHOLD = 0.25  # report items losing more than this share of their area to the crop
 _POLL_S = 0.1
@@ -77,23 +80,27 @@ class CacheResult:
 
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
                 text_dtype: str = "fp32", start_image: StartImage | None = None,
-                reference_prompt: PromptStyle | None = None) -> CacheResult:
+                reference_prompt: PromptStyle | None = None, vace: VaceControl | None = None,
+                sound: ClipSound | None = None) -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
     return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image,
-                      reference_prompt)
+                      reference_prompt, vace, sound)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
                progress: Progress | None = None, text_dtype: str = "fp32",
-               start_image: StartImage | None = None, reference_prompt: PromptStyle | None = None) -> CacheResult:
+               start_image: StartImage | None = None, reference_prompt: PromptStyle | None = None,
+               vace: VaceControl | None = None, sound: ClipSound | None = None) -> CacheResult:
     """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
 
     ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype.
     ``start_image``: image-to-video start-image conditioning to cache with each latent (none by default).
     ``reference_prompt``: encode each caption of an item with references together with its reference
-    images, in that style (reference_prompt.py; ``None``: captions alone)."""
+    images, in that style (reference_prompt.py; ``None``: captions alone). ``vace``: each item's VACE control
+    conditioning (vace_control.py; off by default). ``sound``: each clip's audio latent (clip_sound.py; off by default)."""
     start = time.monotonic()
     filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image, reference_prompt)
+    filler.vace, filler.sound = vace or VaceControl(), sound or ClipSound()
     try:
         result = filler.run()
     finally:
@@ -200,7 +207,8 @@ class _Filler:
             problem = mask_size_problem((probe.width, probe.height), (mask_probe.width, mask_probe.height))
             if problem:
                 raise ValueError(problem)
-        return variants_signature(latent_variants(d.flip, d.mask, digest))
+        vace = self.vace.key_part(entry, lambda path: self.source(ImageEntry(path, ""), known)[0])
+        return variants_signature({**latent_variants(d.flip, d.mask, digest), **vace, **self.sound.key_part(entry)})
 
     def plan(self) -> list[ItemPlan]:
         s = self.settings
@@ -299,6 +307,8 @@ class _Filler:
             tensors.update(self._encode_references(planned))
             tensors.update(self._prep_extras_of(planned))
             tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
+            tensors.update(self.vace.encode(planned.entry, b, self.settings.fps))
+            tensors.update(self.sound.encode(planned.entry, b, self.settings.fps))
         else:
             tensors = stored_text(self._encode_caption(planned), self.text_dtype)
         data = pack(tensors)

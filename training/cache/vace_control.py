@@ -19,9 +19,12 @@ frame k lines up with training frame k. A control clip shorter than its item's f
 ``WanVaceToVideo``'s reference image (a latent frame in front of the video, trimmed after sampling) is
 not built here: training would need the same extra frame in front of the training latent.
 
-Not wired yet (issue #25): the Dataset node's pairing of control (and mask) clips with training clips,
-the Cache node's call of :func:`control_extras` per item and the control clips' digests in the latent key.
-Until then the WanVace family refuses a cache without ``vace_context`` (training/pipelines/wan_vace.py).
+A still mask (an image) is the mask of every frame of its clip. The Dataset node pairs each clip with its
+control (and mask) from the control folder (training/data/dataset_controls.py); the Cache node's
+``vace_control`` option (:class:`VaceControl`) calls :func:`control_extras` per item and puts the control and
+mask content digests with this encode's identity into the latent key (as a ``vace`` component beside the
+flip and mask variants), so a changed control clip re-encodes only its item. Without it the WanVace family
+refuses the cache (training/pipelines/wan_vace.py).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import numpy as np
 import torch
 
 from ..data.dataset import VIDEO_EXTENSIONS
+from ..data.media_probe import probe_video
 from .buckets import Bucket
-from .media import fit_pixels, load_image, load_video, probe_video
+from .media import fit_pixels, load_image, load_video
 
 VACE_CONTEXT = "vace_context"  # the extra name the Wan VACE family reads
 LATENT_CHANNELS = 16  # Wan 2.1 VAE latents; vace_frames holds two of them (inactive, reactive)
@@ -107,14 +111,15 @@ def load_control(path: str, bucket: Bucket, fps: float) -> torch.Tensor:
 
 
 def load_control_mask(path: str, bucket: Bucket, fps: float) -> torch.Tensor:
-    """``[F, H, W]`` in [0, 1] (white = reactive): the control clip's mask, read like the clip, in grayscale."""
+    """``[F, H, W]`` in [0, 1] (white = reactive): the control clip's mask, read like the clip, in grayscale; a
+    still mask (an image) is repeated over the clip's frames (``WanVaceToVideo`` would pad a short mask with 1s)."""
     if _is_video(path):
         return load_control(path, bucket, fps).mean(dim=-1)
     from PIL import Image, ImageOps
 
-    _refuse_image_for_clip(path, bucket)
     with Image.open(path) as img:
-        return torch.from_numpy(np.ascontiguousarray(fit_pixels(ImageOps.exif_transpose(img), bucket, mode="L")))[None]
+        still = torch.from_numpy(np.ascontiguousarray(fit_pixels(ImageOps.exif_transpose(img), bucket, mode="L")))
+    return still[None].repeat(bucket.frames, 1, 1)
 
 
 def control_extras(vae, control: str, bucket: Bucket, fps: float, mask: str | None = None) -> dict[str, torch.Tensor]:
@@ -122,3 +127,70 @@ def control_extras(vae, control: str, bucket: Bucket, fps: float, mask: str | No
     pixels = load_control(control, bucket, fps)
     folded = load_control_mask(mask, bucket, fps) if mask else None
     return {VACE_CONTEXT: vace_context(vae, pixels, folded)}
+
+
+VACE_CONTROL_MODES = ("off", "on")
+# What of this encode changes the cached vace_context besides the VAE (already in the latent key) and the
+# files: bump "v" when the reading or the extra_conds step above changes.
+_IDENTITY = {"node": "WanVaceToVideo", "strength": 1.0, "format": "Wan21", "mask": "gray-mean, still repeated",
+             "v": 1}
+
+
+class VaceControl:
+    """The Cache node's ``vace_control`` option: per item, the control and mask digests for the latent key
+    (:meth:`key_part`) and the encoded ``vace_context`` (:meth:`encode`), with the graph's VAE."""
+
+    def __init__(self, mode: str = "off", vae=None):
+        self.mode = mode
+        self.vae = vae
+
+    @property
+    def active(self) -> bool:
+        return self.mode == "on"
+
+    def problems(self, entries, flip: str = "none") -> list[str]:
+        """Settings the cache cannot honour for ``entries`` (the Dataset's items), phrased as the fix."""
+        if self.mode not in VACE_CONTROL_MODES:
+            return [f"vace_control must be one of {', '.join(VACE_CONTROL_MODES)} (got {self.mode!r})."]
+        paired = [e for e in entries if getattr(e, "controls", ())]
+        if not self.active:
+            if paired:
+                return [f"The dataset pairs {len(paired)} clip(s) with VACE control clips (its control folder) but "
+                        "the Cache node's vace_control is off, so they would not be used: set vace_control on (Wan "
+                        "2.1 VACE training), or clear the Dataset's control_folder."]
+            return []
+        without = [os.path.basename(e.path) for e in entries if not getattr(e, "controls", ())]
+        out = []
+        if without:
+            out.append(f"vace_control is on and {len(without)} item(s) have no VACE control clip: "
+                       f"{', '.join(without[:20])}{' and more' if len(without) > 20 else ''}. Give the Dataset node "
+                       "a control_folder with a control video per clip (name.mp4, optional name_mask.mp4 or .png) "
+                       "and at least one video in the dataset, or set vace_control off.")
+        if flip != "none":
+            out.append("flip cannot be combined with VACE control (the control clip would need the same mirror): "
+                       "set the Dataset's flip to 'none'.")
+        return out
+
+    def key_part(self, entry, digest_of) -> dict:
+        """``{"vace": identity + control and mask digests}`` for the item's latent key ({} when off);
+        ``digest_of(path)`` is the store's content digest. A control that cannot be read is a ValueError
+        naming it (the item is skipped with that reason)."""
+        if not self.active:
+            return {}
+        if not entry.controls:
+            raise ValueError("has no VACE control clip (the Dataset node's control folder pairs none with it)")
+        part = dict(_IDENTITY)
+        for role, path in zip(("control", "mask"), entry.controls, strict=False):
+            try:
+                part[role] = digest_of(path)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller as this item's skip reason
+                raise ValueError(f"cannot read its VACE {role} {os.path.basename(path)} "
+                                 f"({type(exc).__name__}: {exc})") from exc
+        return {"vace": part}
+
+    def encode(self, entry, bucket: Bucket, fps: float) -> dict[str, torch.Tensor]:
+        """The item's ``vace_context`` extra ({} when off), from its control clip and mask at its bucket."""
+        if not self.active:
+            return {}
+        control, *mask = entry.controls
+        return control_extras(self.vae, control, bucket, fps, mask[0] if mask else None)

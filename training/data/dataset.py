@@ -9,7 +9,9 @@ paired by file-name stem as the other trainers do: ``name.png`` is reference 0 o
 is itself a training image's stem is that image's reference 0, so ``cat_1.png`` belongs to a training
 image ``cat_1`` when there is one. A training image without references, a gap in the numbering, two
 files for one reference and control files that pair with no training image are errors naming the files:
-silently training an edit model on half its pairs is the costly mistake.
+silently training an edit model on half its pairs is the costly mistake. A dataset with videos pairs its
+control folder as Wan VACE control clips instead (``name.mp4`` and an optional ``name_mask.*``, in
+``ImageEntry.controls``; dataset_controls.py), with the same one-pass report of every problem.
 The bucket settings (aspect ratios, resolutions, video frames and fps) travel with the dataset so the
 cache can place every item; see ``cache/buckets.py`` for the arithmetic.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .captions import CaptionOptions
+from .dataset_controls import is_control_dataset
 from .dataset_masks import option_problems, pair_masks
 from .media_check import audio_problems, media_problems
 
@@ -46,6 +49,7 @@ class ImageEntry:
     caption: str
     references: tuple[str, ...] = ()  # reference image paths in reference order (the control folder)
     mask: str = ""  # the loss mask's file (mask folder; dataset_masks.py), "" = none or the image's alpha
+    controls: tuple[str, ...] = ()  # a VACE control clip and its optional mask (control folder; dataset_controls.py)
 
     @property
     def is_video(self) -> bool:
@@ -130,7 +134,10 @@ class DatasetSpec:
         if self.without_audio:
             lines.append(f"{len(self.without_audio)} clip(s) without sound train with the model's no-audio input: "
                          f"{'; '.join(self.without_audio)}")
-        if self.control_folder:
+        if self.control_folder and any(e.controls for e in self.entries):
+            masks = sum(len(e.controls) > 1 for e in self.entries)
+            lines.append(f"VACE control clips in {self.control_folder}: one per clip, {masks} with a mask")
+        elif self.control_folder:
             counts = sorted({len(e.references) for e in self.entries})
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
             lines.append(f"{sum(len(e.references) for e in self.entries)} reference images in {self.control_folder} "
@@ -302,7 +309,7 @@ def scan_dataset(folder: str | Path, resolution: int, repeats: int = 1, missing_
     control = ""
     if control_folder:
         try:
-            entries, control = _with_references(folder, images, entries, Path(control_folder)), str(control_folder)
+            entries, control = _with_references(folder, images, entries, Path(control_folder), buckets), str(control_folder)
         except DatasetError as exc:
             problems.append(str(exc))
     if mask == "folder":
@@ -332,7 +339,8 @@ def _with_masks(folder: Path, training: list[str], entries: list[ImageEntry], ma
     return [replace(e, mask=paired[os.path.basename(e.path)]) for e in entries]
 
 
-def _with_references(folder: Path, images: list[str], entries: list[ImageEntry], control: Path) -> list[ImageEntry]:
+def _with_references(folder: Path, images: list[str], entries: list[ImageEntry], control: Path,
+                     buckets: BucketSettings | None = None) -> list[ImageEntry]:
     """``entries`` with their references, or a :class:`DatasetError` naming every pairing problem.
 
     Pairing runs against every training file (also those skipped for a missing caption, so their
@@ -343,8 +351,29 @@ def _with_references(folder: Path, images: list[str], entries: list[ImageEntry],
     if control.resolve() == folder.resolve():
         raise DatasetError(f"The control folder is the dataset folder ({folder}): put the reference images in a "
                            "folder of their own.")
+    with os.scandir(control) as listing:
+        files = sorted(e.name for e in listing if e.is_file())
+    if is_control_dataset(images, files, VIDEO_EXTENSIONS):  # VACE control clips, not reference images
+        return with_controls(images, entries, files, control, buckets or BucketSettings((0,)))
     refs, problems = pair_references(images, _image_files(control), control,
                                      required=[os.path.basename(e.path) for e in entries])
     if problems:
         raise DatasetError("\n".join(problems))
     return [ImageEntry(e.path, e.caption, refs[os.path.basename(e.path)]) for e in entries]
+
+
+def with_controls(images: list[str], entries: list[ImageEntry], files: list[str], control: Path,
+                  buckets: BucketSettings) -> list[ImageEntry]:
+    """``entries`` with their VACE control clip and mask (dataset_controls.py), or a :class:`DatasetError`
+    naming every missing, unpaired, doubled or short control."""
+    from .dataset_controls import control_length_problems, pair_controls
+
+    paired, problems = pair_controls(images, files, control, IMAGE_EXTENSIONS + VIDEO_EXTENSIONS,
+                                     required=[os.path.basename(e.path) for e in entries])
+    kept = [replace(e, controls=paired[os.path.basename(e.path)]) for e in entries
+            if os.path.basename(e.path) in paired]
+    problems += control_length_problems({e.path: e.controls for e in kept}, buckets.fps, buckets.max_frames,
+                                        VIDEO_EXTENSIONS)
+    if problems:
+        raise DatasetError("\n".join(problems))
+    return kept

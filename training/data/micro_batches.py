@@ -30,6 +30,7 @@ from ..objective.loss_weighting import item_scales, scale_labels
 from ..objective.timesteps import sample_sigmas
 from ..pipelines.base import Batch
 from ..spec.options import CacheItem, TimestepSpec
+from .joint_latent import join_latent, joined_names, joint_weight
 
 
 @dataclass(frozen=True)
@@ -266,10 +267,10 @@ class MicroBatches:
         ``(target, loss weight)`` when the family or the items' loss masks weigh the loss."""
         batch = self.flipped(self.captioned([self.examples[i] for i in self._indices(micro)], micro), micro)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + micro * self.replicas + self.replica) % (2**63))
-        x0 = self.processed_latents([b.latent for b in batch])
+        x0, shapes = self.joined(batch, self.processed_latents([b.latent for b in batch]))
         noise = torch.randn(x0.shape, generator=g)
-        sigma = self.sigmas(len(batch), g, tuple(x0.shape[1:]))
-        inputs, labels = self.assemble(batch, x0, noise, sigma)
+        sigma = self.sigmas(len(batch), g, tuple((shapes[0] if shapes else x0.shape)[1:]))
+        inputs, labels = self.assemble(batch, x0, noise, sigma, shapes)
         # Loss weighting by sigma (training only: validation losses stay unweighted, comparable across runs).
         scale = item_scales(self.timesteps.loss_weighting, sigma, self.model.model_sampling)
         return inputs, (labels if scale is None else scale_labels(labels, scale))
@@ -334,13 +335,15 @@ class MicroBatches:
         tokens = self.adapter.image_tokens(self.model.diffusion_model, latent_shape)
         return sample_sigmas(n, self.timesteps, generator, self.model.model_sampling, tokens)
 
-    def assemble(self, batch: Sequence[Example], x0: torch.Tensor, noise: torch.Tensor,
-                 sigma: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    def assemble(self, batch: Sequence[Example], x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
+                 latent_shapes: tuple = ()) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """``(first-stage inputs, target)`` of ``batch`` (its processed latents ``x0``) noised with
         ``noise`` at ``sigma``: the one place micro-batches become model inputs, for training and
-        validation alike."""
+        validation alike. ``latent_shapes``: the streams packed in ``x0`` (:meth:`joined`), if any."""
         noisy, timestep, target = noisy_input_and_target(self.model.model_sampling, x0, noise, sigma)
-        mask = self.loss_weight(batch, x0, self.adapter.loss_mask(tuple(x0.shape[1:]), self.family_options))
+        first = torch.empty(latent_shapes[0], device="meta") if latent_shapes else x0  # the first stream's shape
+        mask = self.loss_weight(batch, first, self.adapter.loss_mask(tuple(first.shape[1:]), self.family_options))
+        mask = joint_weight(mask, latent_shapes) if latent_shapes else mask
         labels = target.to(self.device) if mask is None else (target.to(self.device), mask.to(self.device))
         dtype = self.compute_dtype()
         if batch[0].cond is None:  # a last stage: DeepSpeed reads only the target there
@@ -351,8 +354,20 @@ class MicroBatches:
         inputs = self.adapter.first_stage_inputs(Batch(
             noisy=noisy.to(dtype), timestep=timestep, cond=cond, pooled=pooled,
             extras=self._stacked_extras(batch, length, dtype), options=self.family_options, clean=x0.to(dtype),
+            latent_shapes=tuple(latent_shapes),
         ))
         return tuple(t.to(self.device) for t in inputs), labels
+
+    def joined(self, batch: Sequence[Example], x0: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """``(x0, ())``, or for a family whose model takes several latents as one (``ExtraSpec.joins_latent``)
+        ``x0`` packed with those streams as ComfyUI's sampler packs them, and their shapes
+        (training/data/joint_latent.py says why the objective then needs nothing else)."""
+        names = joined_names(self.adapter.extras(self.model.diffusion_model))
+        if not names:
+            return x0, ()
+        missing = [n for n in names if any(n not in b.extras for b in batch)]
+        streams = [torch.stack([b.extras[n].float() for b in batch]) for n in names] if not missing else []
+        return join_latent(x0, streams, missing)
 
     def processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
         """Raw cached VAE latents of one shape, stacked, as the model takes them (``process_latent_in``);
@@ -368,6 +383,8 @@ class MicroBatches:
         specs = self.adapter.extras(self.model.diffusion_model)
         out = {}
         for name, spec in specs.items():
+            if spec.joins_latent:
+                continue  # packed into the latent itself (joined)
             given = [b.extras[name] for b in batch if name in b.extras]
             if given and len(given) < len(batch) and spec.shape[:1] == ("*",) and not spec.required:
                 # a token sequence some captions have and others not (HunyuanImage's ByT5 states of quoted

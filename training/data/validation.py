@@ -89,17 +89,20 @@ class ValidationBatches:
     def noise_and_sigma(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x0, noise, sigma)`` of validation micro-batch ``index`` (batch size 1)."""
         item, level = divmod(index, self.per_item)
-        x0 = self.builder.processed_latents([self.examples[item].latent])
+        example = self.examples[item]
+        x0, shapes = self.builder.joined([example], self.builder.processed_latents([example.latent]))
         # The same levels for every item of a shape: one generator per evaluation, not per item.
         sigmas = self.builder.sigmas(self.per_item, torch.Generator().manual_seed(VALIDATION_SEED),
-                                     tuple(x0.shape[1:]))
+                                     tuple((shapes[0] if shapes else x0.shape)[1:]))
         g = torch.Generator().manual_seed(VALIDATION_SEED + 1 + index)
         noise = torch.randn(x0.shape, generator=g)
         return x0, noise, sigmas[level:level + 1]
 
     def build(self, index: int):
         x0, noise, sigma = self.noise_and_sigma(index)
-        return self.builder.assemble([self.examples[index // self.per_item]], x0, noise, sigma)
+        batch = [self.examples[index // self.per_item]]
+        shapes = self.builder.joined(batch, self.builder.processed_latents([batch[0].latent]))[1]  # packed streams
+        return self.builder.assemble(batch, x0, noise, sigma, shapes)
 
     def __iter__(self) -> Iterator:
         return (self.build(i) for i in range(len(self)))

@@ -109,7 +109,11 @@ class ExtraSpec:
     channels, frames, height and width, ``T`` the text tokens; ``*`` is any size. An extra that
     ``follows_text`` (a text attention mask) is brought to the micro-batch's text length with the cond.
     An extra that ``is_latent`` (a reference image's raw VAE latent, see :func:`reference_extra`) gets
-    the model's ``process_latent_in`` like the training latent.
+    the model's ``process_latent_in`` like the training latent. An extra that ``joins_latent`` is a further
+    stream of a model that takes several latents as one (LTX-2's audio latent beside the video latent):
+    it is packed after the training latent in ComfyUI's layout (``comfy.utils.pack_latents``, what the
+    sampler noises), so it gets the same sigma and its own noise, and the loss covers it
+    (training/data/joint_latent.py); the first stage receives the packed latent and ``Batch.latent_shapes``.
     """
 
     shape: tuple[int | str, ...]
@@ -118,6 +122,7 @@ class ExtraSpec:
     follows_text: bool = False
     description: str = ""
     is_latent: bool = False
+    joins_latent: bool = False
 
 
 REFERENCE_PREFIX = "reference_"
@@ -160,6 +165,8 @@ class Batch:
     ``noisy`` is the network input (``model_sampling.calculate_input`` of the noised latent), ``clean``
     the clean latent after ``process_latent_in`` (families that condition on clean frames read it),
     ``extras`` the stacked named extras of :class:`ExtraSpec`, ``options`` the family's typed options.
+    ``latent_shapes``: when the family joins streams into one latent (``ExtraSpec.joins_latent``), the
+    ``[B, ...]`` shape of each stream packed in ``noisy`` and ``clean`` (ComfyUI's ``latent_shapes``), else empty.
     """
 
     noisy: torch.Tensor
@@ -169,6 +176,7 @@ class Batch:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     options: Any = None
     clean: torch.Tensor | None = None
+    latent_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class FamilyAdapter(Protocol):

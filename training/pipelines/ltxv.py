@@ -32,8 +32,9 @@ frame's tokens; the loss leaves that frame out. A 1-frame example (an image) tra
 
 Versions: ComfyUI 0.3.75 and current ComfyUI (whose LTX code has a shared ``LTXBaseModel``). The
 layers call the version's own methods where it has them (rotary embedding, output modulation), so
-each follows its ComfyUI's forward. Refused by name: LTX-2 (``LTXAVModel``, audio and video, class
-``LTXAV``), and LTX models with cross-attention AdaLN or a text connector (LTX-2 layouts).
+each follows its ComfyUI's forward. LTX-2 (``LTXAVModel``, audio and video, class ``LTXAV``) is the
+family of training/pipelines/ltx2.py; refused here by name: LTX models with cross-attention AdaLN or a
+text connector (LTX-2 layouts).
 
 Fixture tier (devkit/fixtures_ltxv.py ``build_tiny_ltxv``): a detected file on 0.3.75 and current
 ComfyUI, hidden 64 (32 heads pinned by detection), 2 blocks, 128 latent channels, text width 4096:
@@ -318,5 +319,5 @@ class LTXVAdapter:
         return out
 
 
-# LTXAV (LTX-2, current ComfyUI) is registered so that its refusal names it (support_problems).
-ADAPTER = register(LTXVAdapter(), model_classes=("LTXV", "LTXAV"))
+# LTXAV (LTX-2, a subclass of LTXV) is its own family: training/pipelines/ltx2.py registers it.
+ADAPTER = register(LTXVAdapter(), model_classes=("LTXV",))

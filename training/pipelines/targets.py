@@ -76,9 +76,30 @@ def chosen_blocks(family: FamilyAdapter, diffusion_model: nn.Module, blocks: str
     return resolve_blocks(blocks, block_lists(family, diffusion_model))
 
 
+def preset_problems(family: FamilyAdapter, preset: str) -> list[str]:
+    """A stream preset (``video``, ``audio``) on a family that does not list it in ``stream_presets``."""
+    from ..spec.choices import TARGET_PRESETS
+
+    streams = tuple(getattr(family, "stream_presets", ()))
+    if preset in TARGET_PRESETS or preset in streams:
+        return []
+    return [f"The {family.name} model has no {preset!r} LoRA target preset (it is for models with several token "
+            f"streams); choose one of {', '.join((*TARGET_PRESETS, *streams))}."]
+
+
+def preset_regex(family: FamilyAdapter, preset: str) -> str:
+    """The family's regex of ``preset``, or of the widest shared preset when the family lacks it: for
+    estimates only (sizes, memory), since preflight reports such a preset by name (:func:`preset_problems`)."""
+    return family.lora_target_regex(BLOCK_LIST_PRESET if preset_problems(family, preset) else preset)
+
+
 def run_target_regex(family: FamilyAdapter, diffusion_model: nn.Module, lora: LoraSpec) -> str:
     """The regex a run selects its targets with: the family's preset, limited to ``lora.blocks``.
-    Raises :class:`~..block_range.BlockRangeError` (a ValueError naming the model's block counts)."""
+    Raises :class:`~..block_range.BlockRangeError` (a ValueError naming the model's block counts), or a
+    ValueError for a preset the family does not have."""
+    problems = preset_problems(family, lora.targets)
+    if problems:
+        raise ValueError(problems[0])
     regex = family.lora_target_regex(lora.targets)
     if not lora.blocks.strip():
         return regex

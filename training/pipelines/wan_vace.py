@@ -25,9 +25,10 @@ strength. VACE blocks get LoRA with the main blocks (same Linears; ``all_linear`
 ``before_proj``/``after_proj``).
 
 The extra ``vace_context`` is required: training/cache/vace_control.py builds it per clip with ComfyUI's
-own ``WanVaceToVideo``, but the Dataset and Cache nodes do not pair and cache control clips yet (issue
-#25), so preflight refuses a VACE run on a cache without it, saying why (``VACE_CONTEXT_FIX``): trained
-without its control stream, a VACE LoRA would learn a model it is never sampled as.
+own ``WanVaceToVideo`` when the Dataset node pairs a control clip with each clip (its control folder) and
+the Cache node's ``vace_control`` is on; preflight refuses a VACE run on a cache without it, saying how to
+build it (``VACE_CONTEXT_FIX``): trained without its control stream, a VACE LoRA would learn a model it is
+never sampled as.
 
 Also refused before a run: a VACE model whose mapping asks for more VACE blocks than it has (ComfyUI
 cannot run it either), Wan's ``first_frame_clean`` and ``expert`` options. A reference image (``WanVaceToVideo``'s ``reference_image``: an extra
@@ -54,9 +55,9 @@ _VACE_TARGETS = {
 }
 _MAIN_TARGETS = {"attention": _ATTENTION, "attention_mlp": rf"{_ATTENTION}|{_MLP}", "all_linear": rf"{_ATTENTION}|{_MLP}"}
 VACE_CONTEXT_FIX = (
-    "the Cache node cannot build VACE control conditioning yet (control videos are not paired with clips): "
-    "a VACE LoRA trained without its control stream would not learn what WanVaceToVideo samples. Train a Wan "
-    "2.1 text-to-video LoRA on the base model instead, or wait for VACE control-video caching")
+    "a VACE LoRA trained without its control stream would not learn what WanVaceToVideo samples: give the "
+    "Dataset node a control_folder with a control video per clip (clip.mp4, optional clip_mask.mp4 or .png) "
+    "and set the Cache node's vace_control on")
 
 
 def vace_mapping(dm: nn.Module) -> dict[int, int]:

@@ -52,6 +52,11 @@ LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")  # SD3's per-sigma loss weigh
 TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
 
 
+# Presets of families whose blocks update several token streams (LTX-2: video and audio), one stream each; a family
+# lists the ones it has in ``stream_presets`` and preflight refuses them for every other family.
+STREAM_TARGET_PRESETS = ("video", "audio")
+
+
 ADAPTER_TYPES = ("lora", "lokr", "loha")  # training/adapters/kinds.py registers one entry for each
 
 

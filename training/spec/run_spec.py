@@ -18,6 +18,7 @@ from typing import Any
 from ..model.launch_settings import LaunchSettings
 from .choices import (
     PARTITION_METHODS,
+    STREAM_TARGET_PRESETS,
     TARGET_PRESETS,
     TRAIN_DTYPES,
     UNTRAINABLE_TRAIN_DTYPES,
@@ -90,8 +91,9 @@ class RunSpec:
             out.append(f"LoRA alpha must be positive (got {lo.alpha}).")
         if not 0.0 <= lo.dropout < 1.0:
             out.append(f"LoRA dropout must be in [0, 1) (got {lo.dropout}).")
-        if lo.targets not in TARGET_PRESETS:
-            out.append(f"LoRA target preset {lo.targets!r} is not one of {', '.join(TARGET_PRESETS)}.")
+        if lo.targets not in (*TARGET_PRESETS, *STREAM_TARGET_PRESETS):
+            out.append(f"LoRA target preset {lo.targets!r} is not one of "
+                       f"{', '.join((*TARGET_PRESETS, *STREAM_TARGET_PRESETS))}.")
         out += lo.problems()
         if lo.adapter != "lora" and o.lora_plus_ratio > 1:
             out.append(f"LoRA+ (lora_plus_ratio {o.lora_plus_ratio:g}) speeds up LoRA's lora_B; adapter type "
