@@ -47,6 +47,9 @@ def _ordered_inputs(info: dict) -> list[tuple[str, Any, dict]]:
 
 
 def _is_widget(kind: Any, options: dict) -> bool:
+    """A widget, not a socket: a widget type, or a multi-type input drawn as one (``"FLOAT,INT"`` with its
+    ``widgetType``, e.g. LTXV Empty Latent Audio's frame_rate)."""
+    kind = options.get("widgetType", kind) if isinstance(kind, str) and "," in kind else kind
     return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
 
 
@@ -213,7 +216,10 @@ def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 6
     img = Image.new("RGB", (width, height), (32, 33, 38))
     draw = ImageDraw.Draw(img)
     header = 48
-    draw.text((16, 12), title, fill=(235, 235, 240), font=ImageFont.load_default(size=20))
+    size = 20  # the title fits the picture: smaller type for a long one, never cut off
+    while size > 12 and ImageFont.load_default(size=size).getlength(title) > width - 32:
+        size -= 1
+    draw.text((16, 12), title, fill=(235, 235, 240), font=ImageFont.load_default(size=size))
     boxes = {i: b for i, b in node_boxes(ui).items()
              if next(n for n in ui["nodes"] if n["id"] == i)["type"] not in NOTE_TYPES}
     left = min(b[0] for b in boxes.values())
@@ -250,7 +256,9 @@ def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 6
 # (what ComfyUI's own templates use), never in a test host's lists.
 FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",
                "clip_name4", "vae_name",
-               "lora_name", "image", "video", "audio", "model_name", "control_net_name", "style_model_name"}
+               "lora_name", "image", "video", "audio", "model_name", "control_net_name", "style_model_name",
+               "file", "text_encoder"}  # "file": LoadVideo's (the VACE example's control video); "text_encoder":
+# LTXAVTextEncoderLoader's
 FILE_SUFFIXES = (".safetensors", ".sft", ".gguf", ".pt", ".pth", ".ckpt", ".bin", ".png", ".jpg", ".jpeg",
                  ".webp", ".mp4", ".webm")
 _REQUIRES = re.compile(r"Needs ComfyUI (\d+(?:\.\d+)*) or newer", re.IGNORECASE)
@@ -311,6 +319,7 @@ def _value_problem(name: str, kind: Any, options: dict, value: Any) -> str | Non
             ok = isinstance(value, str) and value.lower().endswith(FILE_SUFFIXES)
             return None if ok else f"{value!r} is not a file name"
         return None if value in choices else f"{value!r} is not one of {choices}"
+    kind = options.get("widgetType", kind) if isinstance(kind, str) and "," in kind else kind  # "FLOAT,INT"
     checks = {"INT": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "FLOAT": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "BOOLEAN": lambda v: isinstance(v, bool), "STRING": lambda v: isinstance(v, str)}
