@@ -176,12 +176,20 @@ class HunyuanImageFinal(StageLayer):
 
 
 class HunyuanImageAdapter:
+    """HunyuanImage 2.1; HunyuanVideo 1.5 (hunyuan_video15.py) runs the same network on video and extends this
+    adapter through the class attributes below (its layers, support check, text encoder and ByT5 order)."""
+
     name = FAMILY
     options_type = HunyuanVideoOptions  # guidance, for the guidance-distilled models
     text_extras = {BYT5: True}  # kept by the cache (text_extras.py)
+    layer_classes: tuple[type, type, type, type] = (HunyuanImageEmbed, HunyuanImageDouble, HunyuanImageSingle,
+                                                    HunyuanImageFinal)  # embed, double, single, final
+    support_problem = staticmethod(_support_problem)
+    label, text_encoder = "HunyuanImage", "HunyuanImage 2.1's Qwen2.5-VL text encoder"
+    byt5_first = False  # where the ByT5 tokens sit in the text mask, as the model's forward joins them
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
-        problem = _support_problem(diffusion_model)
+        problem = self.support_problem(diffusion_model)
         return [problem] if problem else []
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
@@ -189,11 +197,12 @@ class HunyuanImageAdapter:
         refuse_unsupported(self, dm)
         nd, ns = len(dm.double_blocks), len(dm.single_blocks)
         if nd + ns == 0:
-            raise ValueError("This HunyuanImage model has no transformer blocks; nothing to train.")
-        layers: list[StageLayer] = [HunyuanImageEmbed(dm)]
-        layers += [HunyuanImageDouble(dm, i, last=ns == 0 and i == nd - 1) for i in range(nd)]
-        layers += [HunyuanImageSingle(dm, i, last=i == ns - 1) for i in range(ns)]
-        return [*layers, HunyuanImageFinal(dm)]
+            raise ValueError(f"This {self.label} model has no transformer blocks; nothing to train.")
+        embed, double, single, final = self.layer_classes
+        layers: list[StageLayer] = [embed(dm)]
+        layers += [double(dm, i, last=ns == 0 and i == nd - 1) for i in range(nd)]
+        layers += [single(dm, i, last=i == ns - 1) for i in range(ns)]
+        return [*layers, final(dm)]
 
     def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
         blocks = len(diffusion_model.double_blocks) + len(diffusion_model.single_blocks)
@@ -225,8 +234,8 @@ class HunyuanImageAdapter:
 
     def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         if batch.cond is None:
-            raise ValueError("HunyuanImage needs the text encoder's states, and the cache has none: cache the "
-                             "dataset with HunyuanImage 2.1's Qwen2.5-VL text encoder.")
+            raise ValueError(f"{self.label} needs the text encoder's states, and the cache has none: cache the "
+                             f"dataset with {self.text_encoder}.")
         options = batch.options if isinstance(batch.options, HunyuanVideoOptions) else HunyuanVideoOptions()
         x, cond = batch.noisy, batch.cond
         size = x.shape[0]
@@ -236,7 +245,8 @@ class HunyuanImageAdapter:
         if byt5 is None:
             byt5 = x.new_zeros(size, 0, 0)
         else:
-            keep = torch.cat((keep, text_keep(byt5).to(torch.int64)), dim=1)
+            glyphs = text_keep(byt5).to(torch.int64)
+            keep = torch.cat((glyphs, keep) if self.byt5_first else (keep, glyphs), dim=1)
         if bool(keep.all()):
             keep = keep.new_zeros(size, 0)  # every token real: ComfyUI passes no mask
         guidance = torch.full((size,), options.guidance, dtype=torch.float32)

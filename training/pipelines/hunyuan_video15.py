@@ -49,19 +49,16 @@ class (with a narrow ByT5 mapper of ComfyUI's class, or a text mask) that tests/
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
-from .chroma import text_keep
+from .base import Geometry, StageLayer, register
+from .hunyuan_image import HunyuanImageAdapter
 from .hunyuan_video import (
-    TEXT_MASK,
     HunyuanDoubleBlock,
     HunyuanFinal,
     HunyuanSingleBlock,
-    HunyuanVideoOptions,
     _image_first,
 )
 from .out_of_place import OutOfPlaceResidualAdds
@@ -69,13 +66,7 @@ from .qwen_image import _KeepInGraph
 
 FAMILY = "HunyuanVideo15"
 BYT5 = "conditioning_byt5small"  # the text encoder's cond key; model_base.HunyuanVideo15 hands it as txt_byt5
-_ATTENTION = r"(img|txt)_attn\.(qkv|proj)|linear[12]"
-_MLP = r"(img|txt)_mlp\.[02]"
-_TARGETS = {
-    "attention": _ATTENTION,
-    "attention_mlp": rf"{_ATTENTION}|{_MLP}",
-    "all_linear": rf"{_ATTENTION}|{_MLP}|((img|txt)_mod|modulation)\.lin",
-}
+# LoRA targets: HunyuanImage 2.1's (the same blocks; hunyuan_image.py)
 _TEXT, _BYT5 = 0, 1  # cond_type_embedding rows (2 is the vision states', which text-to-video has none of)
 
 
@@ -199,49 +190,20 @@ class HunyuanVideo15Single(HunyuanSingleBlock):
         self.positions = _Positions3D(dm)
 
 
-class HunyuanVideo15Adapter:
+class HunyuanVideo15Adapter(HunyuanImageAdapter):
+    """HunyuanImage 2.1's adapter on video: its own layers (3-D positions, the zero concat channels), 3-D patches,
+    ByT5 tokens ahead of the text in the mask, and image-to-video refused with the reason."""
+
     name = FAMILY
-    options_type = HunyuanVideoOptions  # guidance, for a guidance-distilled model
-    text_extras = {BYT5: True}  # kept by the cache (text_extras.py)
-
-    def support_problems(self, diffusion_model: nn.Module) -> list[str]:
-        problem = _support_problem(diffusion_model)
-        return [problem] if problem else []
-
-    def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
-        dm = diffusion_model
-        refuse_unsupported(self, dm)
-        nd, ns = len(dm.double_blocks), len(dm.single_blocks)
-        if nd + ns == 0:
-            raise ValueError(f"This {FAMILY} model has no transformer blocks; nothing to train.")
-        layers: list[StageLayer] = [HunyuanVideo15Embed(dm)]
-        layers += [HunyuanVideo15Double(dm, i, last=ns == 0 and i == nd - 1) for i in range(nd)]
-        layers += [HunyuanVideo15Single(dm, i, last=i == ns - 1) for i in range(ns)]
-        return [*layers, HunyuanFinal(dm)]
-
-    def layer_layout(self, diffusion_model: nn.Module) -> list[bool]:
-        blocks = len(diffusion_model.double_blocks) + len(diffusion_model.single_blocks)
-        return [False, *([True] * blocks), False]
-
-    def lora_target_regex(self, preset: str) -> str:
-        return rf"(double_blocks|single_blocks)\.\d+\.({_TARGETS[preset]})"
+    layer_classes = (HunyuanVideo15Embed, HunyuanVideo15Double, HunyuanVideo15Single, HunyuanFinal)
+    support_problem = staticmethod(_support_problem)
+    label = "HunyuanVideo 1.5"
+    text_encoder = "HunyuanVideo 1.5's Qwen2.5-VL text encoder (CLIP type hunyuan_video_15)"
+    byt5_first = True  # ByT5 tokens come first
 
     def geometry(self, diffusion_model: nn.Module) -> Geometry:
         pt, ph, pw = (int(p) for p in diffusion_model.patch_size[-3:])
         return Geometry(patch=(pt, ph, pw), video=True, frame_step=4)
-
-    def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
-        """``(3584, 0)``: Qwen2.5-VL's states (read from the token refiner); no pooled vector."""
-        return int(diffusion_model.params.context_in_dim), 0
-
-    def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
-        out = {TEXT_MASK: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
-                                    description="the text attention mask of the text encoder")}
-        if diffusion_model.byt5_in is not None:
-            width = int(diffusion_model.byt5_in.fc1.in_features)
-            out[BYT5] = ExtraSpec(shape=("*", width), source="text", required=False,
-                                  description="ByT5 states of the caption's quoted text (txt_byt5)")
-        return out
 
     def start_image_problem(self) -> str:
         """Why a cache with start-image conditioning cannot train this family (preflight says it)."""
@@ -254,32 +216,6 @@ class HunyuanVideo15Adapter:
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
         sizes = latent_shape[-3:] if len(latent_shape) == 4 else (1, *latent_shape[-2:])
         return math.prod(-(-int(s) // int(p)) for s, p in zip(sizes, diffusion_model.patch_size, strict=True))
-
-    def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
-        if batch.cond is None:
-            raise ValueError("HunyuanVideo 1.5 needs the text encoder's states, and the cache has none: cache the "
-                             "dataset with HunyuanVideo 1.5's Qwen2.5-VL text encoder (CLIP type hunyuan_video_15).")
-        options = batch.options if isinstance(batch.options, HunyuanVideoOptions) else HunyuanVideoOptions()
-        x, cond = batch.noisy, batch.cond
-        size = x.shape[0]
-        mask = batch.extras.get(TEXT_MASK)
-        keep = mask.to(torch.int64) if mask is not None else text_keep(cond).to(torch.int64)
-        byt5 = batch.extras.get(BYT5)
-        if byt5 is None:
-            byt5 = x.new_zeros(size, 0, 0)
-        else:
-            keep = torch.cat((text_keep(byt5).to(torch.int64), keep), dim=1)  # ByT5 tokens come first
-        if bool(keep.all()):
-            keep = keep.new_zeros(size, 0)  # every token real: ComfyUI passes no mask
-        guidance = torch.full((size,), options.guidance, dtype=torch.float32)
-        return x, batch.timestep, cond, guidance, keep, byt5
-
-    def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
-        return None
-
-    def text_length(self, lengths: Sequence[int]) -> int:
-        """The longest cond of the micro-batch; shorter ones get zero tokens, masked out of the attention."""
-        return max(lengths)
 
 
 ADAPTER = register(HunyuanVideo15Adapter(), model_classes=("HunyuanVideo15",))
