@@ -21,6 +21,32 @@ What each file holds (0.3.75's detection; current ComfyUI detects the same files
   1 double and 1 single block, text width 32.
 - PixArt Sigma: hidden 1152 and 16 heads pinned, T5-XXL's 4096-wide caption projection (not read from the
   shapes), 1 block (AuraFlow, dim 3072 pinned, would be 0.5 B for 1 double and 1 single block: left to the fast rows).
+- Cosmos Predict2 text-to-image: width 256 (read from the shapes; the model's default 16 heads, AdaLN-LoRA 256 pinned), T5's 1024-wide
+  cross-attention pinned, 10 blocks (0.3.75 counts no blocks outside widths 2048 and 5120: the model's default 10;
+  current ComfyUI counts them): 23 M.
+- HunyuanImage 2.1: hidden 128 (heads of 128 pinned: 1 head, axes 64/64), 64 channels in 1 x 1 patches, guidance
+  embedding, 1 double and 1 single block, text width 32, no ByT5 mapper: 1.5 M.
+
+Current ComfyUI only (0.3.75 has no such model class: the case skips there, naming it):
+
+- Krea 2: 128-wide heads, 20 text heads and the 256-wide time embedding pinned; width 128 (1 head, 1 KV head),
+  1 block, a 2-layer x 320-wide text stack (read from the shapes; its 2 + 2 fusion blocks are fixed): 6 M.
+- Mage-Flow: Qwen-Image's block at the pinned 3072 (24 heads), the 2560-wide text norm and 128 output channels
+  detection keys on, 1 block: 378 M.
+- Ideogram 4: 18 heads of 256, MLP 12288, adaLN 512 and the 13 x 4096-wide text projection pinned; 1 layer, 128
+  input channels: 558 M (1.1 GB, the largest file here).
+- Anima: Cosmos Predict2's layout at width 256 and 1 block (counted) with the pinned 1024-wide 6-layer LLM adapter
+  and its 32128-token embedding: 137 M.
+- Kandinsky 5 Image: model width 2560 (detection keys the image config on it), the 3584-wide text and 768-wide pooled
+  inputs pinned; time width 16, feed-forward 16, 1 text and 1 visual block: 89 M.
+- Kandinsky 5 video: width 64 (one head of 64: any width but 2560 is the video config), 132-wide visual embedding,
+  time width 16, feed-forward 16, 1 text and 1 visual block, 3 latent frames (text-to-video ``c_concat``): 0.3 M.
+- LongCat-Image: Flux's layout at hidden 128 (heads of 128 pinned: 1 head), the 3584-wide text detection keys it on,
+  no guidance, 1 double and 1 single block: 1.4 M.
+
+Left out: ErnieImage (detection pins everything: the full 8.0 B model) and OmniGen2 (32 layers at width 2520
+pinned: 2.8 B). HunyuanVideo 1.5's smallest detectable file (3.3 M) is already a fast row
+(tests/family_rows/hunyuan_video15.py, ``HunyuanVideo15Detected``).
 """
 
 from __future__ import annotations
@@ -35,7 +61,7 @@ from pathlib import Path
 import pytest
 import torch
 from pipetrainer.tests.family_rows import Row
-from pipetrainer.tests.family_rows.common import load_detected
+from pipetrainer.tests.family_rows.common import load_detected, require_model_class
 from pipetrainer.training.pipelines.base import adapter_for, family_name_for
 
 CONTEXT = 32  # the text width where detection reads it from the shapes
@@ -90,6 +116,109 @@ def _pixart_sigma() -> dict:
                     operations=comfy.ops.disable_weight_init).state_dict()
 
 
+def _from_config(config: str, unet: dict, model_class: str | None = None) -> dict:
+    """The meta state dict of ComfyUI's ``config`` class built from ``unet``, the config detection reads from
+    the file (the class merges in what it pins); skips where this ComfyUI lacks the family."""
+    require_model_class(model_class or config)
+    import comfy.supported_models
+
+    model = getattr(comfy.supported_models, config)(dict(unet)).get_model({}, device=torch.device("meta"))
+    return model.diffusion_model.state_dict()
+
+
+def _krea2() -> dict:
+    # head width 128, 20 text heads and a 256-wide time embedding are pinned; the rest is read from the shapes
+    return _from_config("Krea2", {"image_model": "krea2", "features": 128, "channels": 16, "patch": 2, "layers": 1,
+                                  "heads": 1, "kvheads": 1, "txtlayers": 2, "txtdim": 320})
+
+
+def _mage_flow() -> dict:
+    return _from_config("MageFlow", {"image_model": "mage_flow", "in_channels": 128, "num_layers": 1})
+
+
+def _ideogram4() -> dict:
+    return _from_config("Ideogram4", {"image_model": "ideogram4", "in_channels": 128, "num_layers": 1})
+
+
+def _cosmos(image_model: str, blocks: int) -> dict:
+    unet = {"image_model": image_model, "max_img_h": 240, "max_img_w": 240, "max_frames": 128, "in_channels": 16,
+            "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1, "model_channels": 256,
+            "concat_padding_mask": True, "crossattn_emb_channels": 1024, "pos_emb_cls": "rope3d",
+            "pos_emb_learnable": True, "pos_emb_interpolation": "crop", "min_fps": 1, "max_fps": 30,
+            "use_adaln_lora": True, "adaln_lora_dim": 256, "num_blocks": blocks, "extra_per_block_abs_pos_emb": False,
+            "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0, "rope_t_extrapolation_ratio": 1.0,
+            "extra_h_extrapolation_ratio": 1.0, "extra_w_extrapolation_ratio": 1.0, "extra_t_extrapolation_ratio": 1.0,
+            "rope_enable_fps_modulation": False}
+    if image_model == "anima":
+        return _from_config("Anima", unet)
+    return _from_config("CosmosT2IPredict2", unet, "CosmosPredict2")
+
+
+def _kandinsky5_image() -> dict:
+    return _from_config("Kandinsky5Image", {
+        "image_model": "kandinsky5", "model_dim": 2560, "axes_dims": (32, 48, 48), "rope_scale_factor": (1.0, 1.0, 1.0),
+        "time_dim": 16, "ff_dim": 16, "visual_embed_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 1})
+
+
+def _kandinsky5_video() -> dict:
+    # any width but the image model's 2560 is the video config; heads of 64 (axes 16/24/24) outside 1792 / 4096
+    return _from_config("Kandinsky5", {"image_model": "kandinsky5", "model_dim": 64, "time_dim": 16, "ff_dim": 16,
+                                       "visual_embed_dim": 132, "num_text_blocks": 1, "num_visual_blocks": 1})
+
+
+_LOADED: list = []  # the model under test: its extra_conds is the oracle of a video row's ComfyUI kwargs
+
+
+def _kandinsky5_video_kwargs(cond, pooled, options, extras) -> dict:
+    from pipetrainer.tests.family_rows.kandinsky5_video import comfy_conds
+
+    return comfy_conds(_LOADED[-1], torch.zeros(1, *KANDINSKY5_VIDEO_LATENT), pooled)
+
+
+KANDINSKY5_VIDEO_LATENT = (16, 3, 4, 4)
+
+
+def _hunyuan_image() -> dict:
+    unet = {"image_model": "hunyuan_video", "in_channels": 64, "patch_size": [1, 1], "out_channels": 64,
+            "vec_in_dim": None, "axes_dim": [64, 64], "meanflow": False, "context_in_dim": CONTEXT, "hidden_size": 128,
+            "mlp_ratio": 4.0, "num_heads": 1, "depth": 1, "depth_single_blocks": 1, "theta": 256, "qkv_bias": True,
+            "byt5": False, "guidance_embed": True, "use_cond_type_embedding": False, "vision_in_dim": None,
+            "meanflow_sum": False}
+    from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
+
+    fields = HunyuanVideoParams.__dataclass_fields__  # 0.3.75 has no meanflow_sum
+    return _from_config("HunyuanImage21", {k: v for k, v in unet.items() if k in fields or k == "image_model"})
+
+
+def _longcat_image() -> dict:
+    # the 3584-wide text (what makes it LongCat) and the 16/56/56 axes (heads of 128) are pinned
+    return _from_config("LongCatImage", {
+        "image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 1, "mlp_ratio": 4.0, "theta": 10000,
+        "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [1, 2], "in_channels": 16, "hidden_size": 128,
+        "context_in_dim": 3584, "patch_size": 2, "vec_in_dim": None, "depth": 1, "depth_single_blocks": 1,
+        "guidance_embed": False, "yak_mlp": False, "txt_norm": False})
+
+
+def _guidance(cond, pooled, options, extras) -> dict:
+    return {"guidance": torch.full((cond.shape[0],), options.guidance)}
+
+
+def _pooled(cond, pooled, options, extras) -> dict:
+    return {"y": pooled}
+
+
+def _anima_extras(model, x0, g):
+    from pipetrainer.tests.family_rows.cosmos_predict2 import _anima_extras
+
+    return _anima_extras(model, x0, g)
+
+
+def _anima_kwargs(cond, pooled, options, extras):
+    from pipetrainer.tests.family_rows.cosmos_predict2 import _anima_kwargs
+
+    return _anima_kwargs(cond, pooled, options, extras)
+
+
 def _num_tokens(cond, pooled, options, extras) -> dict:
     return {"num_tokens": cond.shape[1]}
 
@@ -106,21 +235,38 @@ class Case:
     config: str  # the comfy.supported_models class detection must pick
     params: tuple[float, float]  # the parameter count's bounds (what the module docstring promises)
     row: Row
+    context: int = CONTEXT  # the text width the adapter reads from the loaded model
 
 
-def _row(family: str, latent: tuple[int, ...], comfy_kwargs=None) -> Row:
+def _row(family: str, latent: tuple[int, ...], comfy_kwargs=None, extras=None, tokens: int = 3) -> Row:
     extra = {"comfy_kwargs": comfy_kwargs} if comfy_kwargs else {}
-    return Row(family, "smallest detectable model, stock loader (slow tier)", load=None, latent=latent, tokens=3,
-               **extra)
+    if extras:
+        extra["extras"] = extras
+    return Row(family, "smallest detectable model, stock loader (slow tier)", load=None, latent=latent,
+               tokens=tokens, **extra)
 
 
 CASES = {
-    "QwenImage": Case(_qwen_image, "QwenImage", (3.0e8, 4.5e8), _row("QwenImage", (16, 1, 4, 4))),
+    "QwenImage": Case(_qwen_image, "QwenImage", (3.0e8, 4.5e8), _row("QwenImage", (16, 1, 4, 4)), 3584),
     "Lumina2": Case(_lumina2, "Lumina2", (3.5e8, 5.0e8), _row("Lumina2", (16, 4, 4), _num_tokens)),
     "ZImage": Case(_zimage, "ZImage", (7.5e8, 1.0e9), _row("Lumina2", (16, 4, 4), _num_tokens)),
     "Chroma": Case(_chroma, "Chroma", (4.5e8, 7.0e8), _row("Chroma", (16, 4, 4), _no_guidance)),
     # 40 x 36: ComfyUI's sin-cos table degenerates below (H + W) / 2 = 33 latent pixels (tests/family_rows/pixart.py)
-    "PixArtSigma": Case(_pixart_sigma, "PixArtSigma", (3.0e7, 5.0e7), _row("PixArt", (4, 40, 36))),
+    "PixArtSigma": Case(_pixart_sigma, "PixArtSigma", (3.0e7, 5.0e7), _row("PixArt", (4, 40, 36)), 4096),
+    "Krea2": Case(_krea2, "Krea2", (1e6, 1e7), _row("Krea2", (16, 1, 4, 4)), 640),
+    "MageFlow": Case(_mage_flow, "MageFlow", (3.0e8, 4.5e8), _row("MageFlow", (128, 4, 4)), 2560),
+    "Ideogram4": Case(_ideogram4, "Ideogram4", (5.0e8, 6.0e8), _row("Ideogram4", (128, 4, 4)), 53248),
+    "Anima": Case(lambda: _cosmos("anima", 1), "Anima", (1.0e8, 2.0e8),
+                  _row("Anima", (16, 1, 4, 4), _anima_kwargs, _anima_extras, tokens=5), 1024),
+    # 10 blocks: 0.3.75's detection counts no blocks outside widths 2048 and 5120 (the model's default 10)
+    "CosmosPredict2": Case(lambda: _cosmos("cosmos_predict2", 10), "CosmosT2IPredict2", (1e7, 5e7),
+                           _row("CosmosPredict2", (16, 1, 4, 4)), 1024),
+    "Kandinsky5Image": Case(_kandinsky5_image, "Kandinsky5Image", (5e7, 1.5e8),
+                            _row("Kandinsky5Image", (16, 4, 4), _pooled), 3584),
+    "HunyuanImage21": Case(_hunyuan_image, "HunyuanImage21", (1e5, 1e7), _row("HunyuanImage", (64, 4, 4), _guidance)),
+    "Kandinsky5Video": Case(_kandinsky5_video, "Kandinsky5", (1e5, 1e6),
+                            _row("Kandinsky5Video", KANDINSKY5_VIDEO_LATENT, _kandinsky5_video_kwargs), 3584),
+    "LongCatImage": Case(_longcat_image, "LongCatImage", (1e6, 2e7), _row("LongCat", (16, 4, 4)), 3584),
 }
 
 
@@ -161,23 +307,25 @@ def test_smallest_detectable_model_loads_through_the_stock_loader_and_stages_exa
         patcher = load_detected(path)
         loaded = time.monotonic()
         model = patcher.model
+        _LOADED[:] = [model]
         assert type(patcher.model.model_config).__name__ == case.config
         assert family_name_for(model) == case.row.family
         adapter = adapter_for(case.row.family)
-        assert adapter.conditioning_dims(model.diffusion_model)[0] in (CONTEXT, 3584, 4096)  # Qwen2.5-VL's, T5-XXL's
+        assert adapter.conditioning_dims(model.diffusion_model)[0] == case.context
         options = adapter.options_type()
-        noisy, sigma, cond, pooled, noised, extras, clean = _example(case.row, model)
+        noisy, sigma, cond, pooled, noised, extras, clean, shapes = _example(case.row, model)
         with torch.no_grad():
             out = _staged(adapter, adapter.stage_layers(model.diffusion_model), noised, cond, pooled, options,
-                          extras, clean)
+                          extras, clean, shapes=shapes)
         assert out.shape == noisy.shape
         ours = model.model_sampling.calculate_denoised(sigma, out.float(), noisy)
         theirs = _comfy_denoised(model, noisy, sigma, cond, pooled, case.row, options, extras)
         assert torch.isfinite(theirs).all()
         assert torch.allclose(ours, theirs, rtol=0, atol=1e-6 * theirs.abs().max().item()), (ours - theirs).abs().max()
         dtype = next(model.diffusion_model.parameters()).dtype
-        print(f"{name}: {count / 1e6:.0f} M params loaded as {dtype}: write {written - started:.1f} s, "
+        print(f"{name}: {count / 1e6:.2f} M params loaded as {dtype}: write {written - started:.1f} s, "
               f"load {loaded - written:.1f} s, check {time.monotonic() - loaded:.1f} s")
     finally:
         path.unlink(missing_ok=True)
+        _LOADED.clear()
         gc.collect()
