@@ -1,4 +1,4 @@
-"""``scripts/pt.py`` subcommands: host, fixtures, demo, ui-workflow, check-workflows."""
+"""``scripts/pt.py`` subcommands: host, fixtures, demo, ui-workflow, check-workflows, link-duplicates."""
 
 from __future__ import annotations
 
@@ -14,7 +14,17 @@ def main(argv: list[str]) -> int:
     sub.add_parser("demo", help="run the example workflow headless and print the LoRA and image paths")
     sub.add_parser("ui-workflow", help="regenerate workflows/*.json (UI format) from the API-format twins")
     sub.add_parser("check-workflows", help="check workflows/api/*.json against this host's nodes (/object_info)")
+    links = sub.add_parser("link-duplicates", help="hard-link the files two venvs hold byte for byte (one copy on disk)")
+    links.add_argument("keep", help="the venv whose files stay")
+    links.add_argument("other", help="the venv whose identical files become links to keep's")
     args = parser.parse_args(argv)
+    if args.command == "link-duplicates":
+        from pathlib import Path
+
+        from .disk import link_identical_files
+
+        print(link_identical_files(Path(args.keep), Path(args.other)).summary())
+        return 0
     from .host import ensure_host
 
     root = ensure_host()

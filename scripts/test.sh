@@ -81,6 +81,11 @@ if [ -f "$logs/current.rc" ]; then
   esac
 fi
 
+# The two venvs hold the same torch wheel (about 6 GB each): one copy on disk (devkit/disk.py says why).
+if [ -n "$current_root" ] && [ "$compat_ready" = 1 ]; then
+  summary+=("venvs: $(.venv/bin/python scripts/pt.py link-duplicates .venv .host/current/venv || echo 'link-duplicates failed')")
+fi
+
 if [ -n "$current_root" ]; then
   version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$current_root/comfyui_version.py")
   scope=", whole suite"
