@@ -7,6 +7,7 @@ from comfy_api.latest import ComfyExtension, io
 from .cache import PipeTrainerCache
 from .checkpoint_source import PipeTrainerLoadCheckpoint
 from .dataset import PipeTrainerDataset
+from .family_options import PipeTrainerFamilyOptions
 from .gguf_source import PipeTrainerLoadGGUF
 from .gpus_memory import PipeTrainerGpusMemory
 from .lora_adapter import PipeTrainerLoRA
@@ -33,6 +34,7 @@ NODES: list[type[io.ComfyNode]] = [
     PipeTrainerPreviewSettings,
     PipeTrainerTrainingAdapter,
     PipeTrainerGpusMemory,
+    PipeTrainerFamilyOptions,
     PipeTrainerTrain,
 ]
 

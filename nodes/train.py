@@ -25,6 +25,7 @@ from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
 from .checks.training_adapter import training_adapter_problems, with_training_adapter
+from .family_options import FamilyOptionsConfig
 from .gpus_memory import GpusMemoryConfig
 from .model_source import no_recipe_message, recipe_of
 from .preview_settings import PreviewConfig, preview_save_every
@@ -120,7 +121,7 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Float.Input("guidance", default=1.0, min=0.0, max=100.0, step=0.1, optional=True,
                                tooltip="Guidance-distilled models (FLUX.1 dev): the guidance the model sees while"
                                        " training. 1.0, as the other trainers use: samples well at 3.5. Unused by"
-                                       " other families."),
+                                       " other families.", **advanced()),
                 io.Boolean.Input("resume", default=True,
                                  tooltip="Continue an earlier run: from the checkpoint chosen in resume_from (by "
                                          "default the newest of this LoRA with the same settings). Off: start fresh."),
@@ -132,7 +133,7 @@ class PipeTrainerTrain(io.ComfyNode):
                 io.Boolean.Input("first_frame_clean", default=False, optional=True,
                                  tooltip="Image-to-video as ComfyUI samples it: the first latent frame stays "
                                          "clean and out of the loss (Wan 2.2 TI2V, LTX-Video, Kandinsky 5, Cosmos"
-                                         " Video2World). Off: text-to-video."),
+                                         " Video2World). Off: text-to-video.", **advanced()),
                 io.Combo.Input("expert", options=["none", "high_noise", "low_noise"], default="none", optional=True,
                                tooltip="Wan 2.2 A14B: which expert this file is; training draws only its noise "
                                        "levels (high_noise: sigma at or above the boundary). Recorded in the LoRA"
@@ -148,6 +149,10 @@ class PipeTrainerTrain(io.ComfyNode):
                                     tooltip="From 'Preview Settings (PipeTrainer)': every N steps, that step's LoRA "
                                             "rendered by ComfyUI's own LoRA loader and sampler, shown here as it "
                                             "arrives and saved in the run folder (previews/)."),
+                FamilyOptionsConfig.Input("family_options", optional=True,
+                                          tooltip="From 'Family Options (PipeTrainer)': guidance, image-to-video, "
+                                                  "Wan 2.2 expert or frame rate of the model's family; its values "
+                                                  "replace this node's of the same names."),
                 GpusMemoryConfig.Input("gpus_and_memory", optional=True,
                                        tooltip="From 'GPUs & Memory (PipeTrainer)': stages, GPUs, block swap and "
                                                "checkpointing; its values replace this node's of the same names."),
@@ -179,6 +184,7 @@ class PipeTrainerTrain(io.ComfyNode):
                    **settings) -> RunSpec:
         """The validated run spec; raises with every problem at once. ``blocks_to_swap`` auto (-1) becomes
         the memory plan's number (nodes/checks/memory.py); the plan's line is appended to ``notes``."""
+        family_node = settings.pop("family_options", None)
         devices = settings.pop("gpus_and_memory", None)
         if devices is not None:  # the GPUs & Memory node's values are the run's; Train's own are named if set aside
             settings, overridden = devices.merged(settings)
@@ -196,6 +202,11 @@ class PipeTrainerTrain(io.ComfyNode):
         else:
             options_type = adapter_for(family).options_type
             family_options = options_from_inputs(options_type, settings)
+            if family_node is not None:  # the Family Options node's values are the run's
+                family_options, chosen_problems, overridden = family_node.merged(family, family_options)
+                problems += chosen_problems
+                if notes is not None:
+                    notes += overridden
             problems += parse_family_options(family, options_type, family_options)[1]
             problems += training_adapter_problems(model, family, recipe)
         problems += graph_patches.patch_problems(model)

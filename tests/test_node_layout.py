@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import inspect
 
-FIRST_RUN = {  # widgets the node shows before its advanced section is opened (it had 21 and 19)
-    "PipeTrainerTrain": 12,
+FIRST_RUN = {  # widgets the node shows before its advanced section is opened (they had 21 and 19; family options moved to their own node)
+    "PipeTrainerTrain": 10,
     "PipeTrainerDataset": 4,
 }
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
