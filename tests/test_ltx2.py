@@ -124,3 +124,34 @@ def test_a_clip_without_its_audio_latent_is_refused_with_what_to_do(comfy_root):
     model = ltx2_small().model
     with pytest.raises(ValueError, match="audio VAE"):
         _builder(model, [_example(audio=False)]).build(0)
+
+
+def test_captions_of_different_token_counts_batch_as_each_is_sampled_alone(comfy_root):
+    """Two captions of 7 and 4 tokens in one micro-batch: each row of the staged prediction is ComfyUI's
+    ``apply_model`` of that example alone with its own caption (the shorter one's padding never reaches the
+    embeddings connectors, which append their registers after the caption)."""
+    import comfy.utils
+    from pipetrainer.training.data.micro_batches import stack_text
+    from pipetrainer.training.pipelines.base import Batch
+    from pipetrainer.training.pipelines.ltx2 import LTX2Options
+
+    model = ltx2_small().model
+    adapter = adapter_for("LTX2")
+    options = LTX2Options()
+    g = torch.Generator().manual_seed(11)
+    one = [torch.Size((1, *LATENT)), torch.Size((1, 8, AUDIO_FRAMES, 16))]
+    packed = [comfy.utils.pack_latents([torch.randn(s, generator=g) for s in one])[0] for _ in range(2)]
+    conds = [torch.randn(7, 16, generator=g), torch.randn(4, 16, generator=g)]
+    sigma = torch.tensor([0.7, 0.3])
+    two = tuple(torch.Size((2, *s[1:])) for s in one)
+    batch = Batch(torch.cat(packed), sigma, stack_text(conds, 7), options=options, latent_shapes=two,
+                  text_lengths=(7, 4))
+    out = tuple(adapter.first_stage_inputs(batch))
+    for layer in adapter.stage_layers(model.diffusion_model):
+        out = layer(out)
+    for i in range(2):
+        with torch.no_grad():
+            theirs = model.apply_model(packed[i], sigma[i:i + 1], **ltx2_kwargs(
+                conds[i][None], None, options, {"audio_latent": torch.zeros(one[1])}))
+        ours = model.model_sampling.calculate_denoised(sigma[i:i + 1], out[i:i + 1].detach().float(), packed[i])
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item()), (i, (ours - theirs).abs().max())

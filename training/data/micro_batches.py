@@ -354,7 +354,7 @@ class MicroBatches:
         inputs = self.adapter.first_stage_inputs(Batch(
             noisy=noisy.to(dtype), timestep=timestep, cond=cond, pooled=pooled,
             extras=self._stacked_extras(batch, length, dtype), options=self.family_options, clean=x0.to(dtype),
-            latent_shapes=tuple(latent_shapes),
+            latent_shapes=tuple(latent_shapes), text_lengths=tuple(min(len(b.cond), length) for b in batch),
         ))
         return tuple(t.to(self.device) for t in inputs), labels
 

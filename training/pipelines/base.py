@@ -167,6 +167,8 @@ class Batch:
     ``extras`` the stacked named extras of :class:`ExtraSpec`, ``options`` the family's typed options.
     ``latent_shapes``: when the family joins streams into one latent (``ExtraSpec.joins_latent``), the
     ``[B, ...]`` shape of each stream packed in ``noisy`` and ``clean`` (ComfyUI's ``latent_shapes``), else empty.
+    ``text_lengths``: each cond's own token count before the micro-batch brought them to one length (empty: all
+    ``cond.shape[1]``), for families whose model must see each caption at its own length.
     """
 
     noisy: torch.Tensor
@@ -177,6 +179,7 @@ class Batch:
     options: Any = None
     clean: torch.Tensor | None = None
     latent_shapes: tuple[tuple[int, ...], ...] = ()
+    text_lengths: tuple[int, ...] = ()
 
 
 class FamilyAdapter(Protocol):

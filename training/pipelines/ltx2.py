@@ -12,7 +12,7 @@ streams are the shared objective's, exactly as ComfyUI's sampling defines them.
 Stage tuples (``B`` batch; ``Nv``/``Na`` video/audio tokens):
 
 - embed: ``(packed latent [B, 1, n], video timestep [B] or [B, Nv, 1], audio timestep [B], context,
-  text_mask, sizes)`` -> the block tuple
+  each caption's token count [B, 1] int64, sizes)`` -> the block tuple
 - each block: ``(vx, ax, v_context, a_context, text_mask, v_t, a_t, ca_audio_ss, ca_video_ss,
   ca_a2v_gate, ca_v2a_gate, v_prompt_t, a_prompt_t, v_emb, a_emb, sizes)`` in and out; the last gives
   ``(vx, ax, v_emb, a_emb, sizes)``
@@ -33,8 +33,9 @@ Image-to-video (option ``first_frame_clean``): as ComfyUI samples after ``LTXVIm
 video latent frame is clean with timestep 0 on its tokens and left out of the loss; the audio is all
 noised (its timestep the sigma's). Text: the cached cond is the text encoder's output; the embed runs the
 model's embeddings connectors on it (``preprocess_text_embeds``), as ``LTXAV.extra_conds`` does before the
-model. The connectors bring the text to their own length, so no text mask is handed on (ComfyUI hands on
-none either); ``text_mask`` stays in the tuple as an empty int64 tensor.
+model, each caption at its own token count (the micro-batch's zeros after a shorter caption never reach
+them: they append learnable registers there). The connectors bring the text to their own length, so no text
+mask is handed on (ComfyUI hands on none either); ``text_mask`` stays in the block tuple as an empty int64 tensor.
 
 Refused by name: layouts with a keyframe position embedding. Reference-audio (ID-LoRA) and keyframe-guide
 conditioning are not fed. Only current ComfyUI has ``LTXAV``; ComfyUI 0.3.75 lacks it.
@@ -171,17 +172,52 @@ class LTX2Embed(StageLayer):
         self._prepare_timestep = dm._prepare_timestep
         self._prepare_context = dm._prepare_context
 
+    def _connected_text(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The connectors' output of each caption at its own token count (``tokens`` ``[B, 1]``), as
+        ``LTXAV.extra_conds`` runs them on one prompt at sampling: they append their learnable registers after
+        the caption, so the zeros a shorter caption got in the micro-batch must not reach them. Outputs of
+        different lengths (only captions over the connectors' 1024 positions) are followed by zeros."""
+        lengths = [int(n) for n in tokens.view(-1)] if tokens.numel() else []
+        if not lengths or all(n == context.shape[1] for n in lengths):
+            return self._preprocess_text(context, unprocessed=self.raw_text_flag)
+        rows = [self._preprocess_text(context[i:i + 1, :n], unprocessed=self.raw_text_flag)[0]
+                for i, n in enumerate(lengths)]
+        out = rows[0].new_zeros(len(rows), max(r.shape[0] for r in rows), rows[0].shape[-1])
+        for i, row in enumerate(rows):
+            out[i, :row.shape[0]] = row
+        return out
+
     def forward(self, inputs):
-        packed, v_t, a_t, context, text_mask, sizes = inputs
+        packed, v_t, a_t, context, tokens, sizes = inputs
         b = packed.shape[0]
-        context = self._preprocess_text(context, unprocessed=self.raw_text_flag)  # LTXAV.extra_conds' step
+        context = self._connected_text(context, tokens)  # LTXAV.extra_conds' step
+        text_mask = _empty(b)  # the connectors bring every caption to their own length: no mask, as in ComfyUI
         v_shape, a_shape, _, _ = _Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
         dtype = vx.dtype
         x, _, args = self._process_input([vx, ax], None, None, a_timestep=a_t)
+        tables, counts = self._timesteps(v_t, a_t, b, dtype, args)
+        (v_ctx, a_ctx), _ = self._prepare_context(context, b, x, None)
+        v_data, a_tab, ca_a_ss, ca_v_ss, ca_gate, ca_v2a, v_prompt, a_prompt, v_emb, a_emb = tables
+        sizes = _Sizes.make(v_shape, a_shape, counts, sizes[10:11])
+        return (x[0], x[1], v_ctx, a_ctx, text_mask, v_data, a_tab, ca_a_ss, ca_v_ss, ca_gate, ca_v2a,
+                v_prompt, a_prompt, v_emb, a_emb, sizes)
+
+    def _timesteps(self, v_t, a_t, b: int, dtype, args) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+        """ComfyUI's timestep tables as tensors (the 10 the blocks take) and their patches per frame.
+
+        ComfyUI's LTX-2 takes the cross-modal gates' timestep as the maximum over the whole batch, which is each
+        example's own only when the batch shares one sigma (as at sampling). A micro-batch of different sigmas is
+        therefore prepared one example at a time, so that each trains as it is sampled alone."""
+        same = all(torch.equal(t[:1].expand_as(t), t) for t in (v_t, a_t))
+        if b == 1 or same:
+            return self._tables(v_t, a_t, b, dtype, args)
+        parts = [self._tables(v_t[i:i + 1], a_t[i:i + 1], 1, dtype, args) for i in range(b)]
+        tables = [torch.cat([p[0][k] for p in parts]) for k in range(len(parts[0][0]))]
+        return tables, parts[0][1]
+
+    def _tables(self, v_t, a_t, b: int, dtype, args) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
         t, emb, _ = self._prepare_timestep(v_t, b, dtype, **args, a_timestep=a_t)
-        mask = text_mask if text_mask.numel() else None
-        (v_ctx, a_ctx), _ = self._prepare_context(context, b, x, mask)
         v_tab, a_tab, cross, v_prompt, a_prompt = t
         v_data, v_pf = _data(v_tab)
         ca_v_ss, ss_pf = _data(cross[1])
@@ -189,11 +225,9 @@ class LTX2Embed(StageLayer):
         v_emb, emb_pf = _data(emb[0])
         if len({v_pf, ss_pf, gate_pf, emb_pf}) != 1:
             raise ValueError("ComfyUI's LTX-2 timestep tables disagree on their frame compression; update the adapter.")
-        sizes = _Sizes.make(v_shape, a_shape, (v_pf, ss_pf, gate_pf), sizes[10:11])
         v_prompt = v_prompt if v_prompt is not None else _empty(b)
         a_prompt = a_prompt if a_prompt is not None else _empty(b)
-        return (x[0], x[1], v_ctx, a_ctx, text_mask, v_data, a_tab, cross[0], ca_v_ss, ca_gate, cross[3],
-                v_prompt, a_prompt, v_emb, emb[1], sizes)
+        return [v_data, a_tab, cross[0], ca_v_ss, ca_gate, cross[3], v_prompt, a_prompt, v_emb, emb[1]], (v_pf, ss_pf, gate_pf)
 
 
 class LTX2Block(StageLayer):
@@ -322,9 +356,9 @@ class LTX2Adapter:
             clean = unpack_streams(batch.clean, batch.latent_shapes)[0]
             vx, v_t = clean_first_frame_tokens(vx, clean, v_t)
             x = pack_streams([vx, ax])[0]
-        mask = torch.zeros(x.shape[0], 0, dtype=torch.int64)  # none (see extras); the layers take one if given
+        tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * x.shape[0], dtype=torch.int64)
         sizes = _Sizes.make(v_shape, a_shape, (0, 0, 0), frame_rate_bits(options.frame_rate))
-        return x, v_t, a_t, batch.cond, mask, sizes
+        return x, v_t, a_t, batch.cond, tokens.view(-1, 1), sizes
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
         """On the video stream: with ``first_frame_clean``, 0 on the first latent frame (the audio weighs 1)."""
@@ -337,8 +371,8 @@ class LTX2Adapter:
         return mask
 
     def text_length(self, lengths: Sequence[int]) -> int:
-        """The longest cond of the micro-batch; shorter ones get zero tokens before the connectors (batch size 1,
-        or captions of one token count, train exactly as sampled)."""
+        """The longest cond of the micro-batch; the embed gives the connectors each caption at its own length
+        (``Batch.text_lengths``), so captions of any token counts train as sampled."""
         return max(lengths)
 
     def run_metadata(self, diffusion_model: nn.Module, options: object) -> dict[str, str]:
