@@ -28,6 +28,7 @@ from .checks.training_adapter import training_adapter_problems, with_training_ad
 from .family_options import FamilyOptionsConfig
 from .gpus_memory import GpusMemoryConfig
 from .model_source import no_recipe_message, recipe_of
+from .presets import NO_PRESET, apply_preset, preset_choices
 from .preview_settings import PreviewConfig, preview_save_every
 from .regularization import RegularizationConfig
 from .run import checkpoints, paths, run_messages, run_process
@@ -156,6 +157,10 @@ class PipeTrainerTrain(io.ComfyNode):
                 GpusMemoryConfig.Input("gpus_and_memory", optional=True,
                                        tooltip="From 'GPUs & Memory (PipeTrainer)': stages, GPUs, block swap and "
                                                "checkpointing; its values replace this node's of the same names."),
+                io.Combo.Input("preset", options=preset_choices(), default=NO_PRESET, optional=True,
+                               tooltip="Settings another trainer's example config sets for this model and GPU size"
+                                       " (rank, optimizer, rate, batch, dtype); each value it changes is shown here "
+                                       "before step 0."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The input model with the trained LoRA applied."),
@@ -185,6 +190,7 @@ class PipeTrainerTrain(io.ComfyNode):
         """The validated run spec; raises with every problem at once. ``blocks_to_swap`` auto (-1) becomes
         the memory plan's number (nodes/checks/memory.py); the plan's line is appended to ``notes``."""
         family_node = settings.pop("family_options", None)
+        preset = settings.pop("preset", NO_PRESET)
         devices = settings.pop("gpus_and_memory", None)
         if devices is not None:  # the GPUs & Memory node's values are the run's; Train's own are named if set aside
             settings, overridden = devices.merged(settings)
@@ -209,6 +215,11 @@ class PipeTrainerTrain(io.ComfyNode):
                     notes += overridden
             problems += parse_family_options(family, options_type, family_options)[1]
             problems += training_adapter_problems(model, family, recipe)
+            applied = apply_preset(preset, family, model, lora, optimizer, settings)
+            lora, optimizer, settings = applied.lora, applied.optimizer, applied.settings
+            problems += applied.problems
+            if notes is not None:
+                notes += applied.notes
         problems += graph_patches.patch_problems(model)
         sampling, sampling_problems = graph_patches.sampling_override(model)
         problems += sampling_problems

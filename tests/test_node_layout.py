@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import inspect
 
-FIRST_RUN = {  # widgets the node shows before its advanced section is opened (they had 21 and 19; family options moved to their own node)
-    "PipeTrainerTrain": 10,
+FIRST_RUN = {  # widgets the node shows before its advanced section is opened (they had 21 and 19; family options moved to their own node, the preset is shown)
+    "PipeTrainerTrain": 11,
     "PipeTrainerDataset": 4,
 }
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -45,7 +45,7 @@ def test_the_first_view_holds_what_every_run_sets(server):
         assert len(shown) <= most, (node, shown)
         for name in folded:  # a folded input is never one a run must set
             assert name in info[node]["input"].get("optional", {}) or "default" in inputs[name], (node, name)
-        assert {"lora_name", "steps", "seed", "resume"} <= set(shown) or node != "PipeTrainerTrain", shown
+        assert {"lora_name", "steps", "seed", "resume", "preset"} <= set(shown) or node != "PipeTrainerTrain", shown
         assert "folder" in shown or node != "PipeTrainerDataset", shown
 
 

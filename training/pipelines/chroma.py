@@ -33,6 +33,7 @@ from torch import nn
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 MODULATION_ROWS = 344  # ComfyUI's Chroma.forward_orig: mod_index_length
 GUIDANCE = 0.0  # model_base.Chroma.extra_conds: the guidance ComfyUI gives Chroma unless a graph sets one
@@ -172,6 +173,7 @@ class ChromaFinal(StageLayer):
 class ChromaAdapter:
     name = "Chroma"
     options_type = NoOptions  # guidance stays ComfyUI's Chroma default (0): the Train node's 1.0 is FLUX.1-dev's
+    presets = (ai_toolkit("Chroma, 24 GB", "train_lora_chroma_24gb", 16),)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

@@ -48,6 +48,7 @@ from .base import (
 )
 from .distillation import Distillation
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,8 @@ def reference_specs(count: int, what: str) -> dict[str, ExtraSpec]:
 class FluxAdapter:
     name = "Flux"
     options_type = FluxOptions
+    presets = (ai_toolkit("FLUX.1 dev, 24 GB", "train_lora_flux_24gb", 16),
+               ai_toolkit("FLUX.1 Kontext dev, 24 GB", "train_lora_flux_kontext_24gb", 16, resolutions=(512, 768)))
     distillation = Distillation(checkpoints="FLUX.1 schnell")  # dev is guidance-distilled: ``guidance``
     max_references = MAX_REFERENCES
 

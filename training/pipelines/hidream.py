@@ -69,6 +69,7 @@ from torch import nn
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_model_class, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 FAMILY = "HiDream"
 LLAMA = "conditioning_llama3"  # the text encoder's cond key; model_base.HiDream hands it as encoder_hidden_states_llama3
@@ -232,6 +233,7 @@ class HiDreamFinal(StageLayer):
 class HiDreamAdapter:
     name = FAMILY
     options_type = NoOptions
+    presets = (ai_toolkit("HiDream, 48 GB", "train_lora_hidream_48", 32, lr=2e-4),)
     text_extras = {LLAMA: True}  # kept by the cache (text_extras.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:

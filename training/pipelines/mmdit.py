@@ -16,6 +16,7 @@ from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, re
 from .distillation import Distillation
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 _TARGETS = {
     "attention": r"attn2?\.(qkv|proj)",
@@ -97,6 +98,7 @@ class MMDiTFinal(StageLayer):
 class MMDiTAdapter:
     name = "SD3"
     options_type = NoOptions
+    presets = (ai_toolkit("SD3.5 Large, 24 GB", "train_lora_sd35_large_24gb", 16, resolutions=(1024,)),)
     distillation = Distillation(checkpoints="SD3.5 Large Turbo")
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:

@@ -59,6 +59,7 @@ from torch import nn
 from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 FAMILY = "Omnigen2"
 MAX_REFERENCES = 5  # rows of the model's image_index_embedding
@@ -238,6 +239,7 @@ class Omnigen2Final(StageLayer):
 class Omnigen2Adapter:
     name = FAMILY
     options_type = NoOptions
+    presets = (ai_toolkit("OmniGen2, 24 GB", "train_lora_omnigen2_24gb", 16, quantized_base=""),)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

@@ -44,6 +44,7 @@ from torch import nn
 from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
 from .options import NoOptions
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 from .qwen_image_prompt import STYLES as REFERENCE_PROMPT_STYLES
 from .qwen_image_prompt import takes_reference_prompt as _takes_reference_prompt
 
@@ -199,6 +200,8 @@ class QwenFinal(StageLayer):
 class QwenImageAdapter:
     name = "QwenImage"
     options_type = NoOptions
+    presets = (ai_toolkit("Qwen-Image, 24 GB", "train_lora_qwen_image_24gb", 16,
+                          quantized_base="3-bit (with an accuracy-recovery adapter)"),)
     # The Cache node's reference_in_prompt styles: ComfyUI's TextEncodeQwenImageEdit(Plus) (qwen_image_prompt.py).
     reference_prompts = REFERENCE_PROMPT_STYLES
 

@@ -65,6 +65,7 @@ from torch import nn
 from ..cache.start_image import CLIP_FEA, CONCAT_LATENT
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
 from .out_of_place import OutOfPlaceResidualAdds
+from .presets import ai_toolkit
 
 _ATTENTION = r"(self_attn|cross_attn)\.(q|k|v|o)|cross_attn\.(k_img|v_img)"
 _MLP = r"ffn\.(0|2)"
@@ -263,6 +264,10 @@ def clean_first_frame(noisy: torch.Tensor, clean: torch.Tensor, timestep: torch.
 class WanAdapter:
     name = "Wan"
     options_type = WanOptions
+    presets = (ai_toolkit("Wan 2.1 14B, 24 GB", "train_lora_wan21_14b_24gb", 32, resolutions=(632,)),
+               ai_toolkit("Wan 2.1 1.3B, 24 GB", "train_lora_wan21_1b_24gb", 32, quantized_base="", resolutions=(632,)),
+               ai_toolkit("Wan 2.2 14B, 24 GB", "train_lora_wan22_14b_24gb", 32,
+                          quantized_base="4-bit (with an accuracy-recovery adapter)"))
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)
