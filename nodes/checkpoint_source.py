@@ -16,6 +16,7 @@ from comfy_api.latest import io
 
 from ..training.model.fingerprint import file_fingerprint
 from ..training.model.model_source import model_options
+from ..training.model.page_out import paging_out_while_loading
 from ..training.spec.choices import WEIGHT_DTYPES
 from ..training.spec.options import ModelRecipe
 from .model_source import attach_recipe
@@ -50,9 +51,10 @@ class PipeTrainerLoadCheckpoint(io.ComfyNode):
     def execute(cls, ckpt_name: str, weight_dtype: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
         options = model_options(weight_dtype)
-        model, clip, vae = comfy.sd.load_checkpoint_guess_config(
-            path, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-            model_options=options)[:3]
+        with paging_out_while_loading():  # the diffusion model's part of the file is held once, not twice
+            model, clip, vae = comfy.sd.load_checkpoint_guess_config(
+                path, output_vae=True, output_clip=True, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                model_options=options)[:3]
         if model is None:
             raise ValueError(f"ComfyUI found no diffusion model in {ckpt_name}.")
         # the MODEL alone, as ComfyUI's own reload factory loads it (its copy is freed while training runs)

@@ -8,6 +8,7 @@ from comfy_api.latest import io
 
 from ..training.model.fingerprint import file_fingerprint
 from ..training.model.model_source import model_options, weight_dtype_of_options
+from ..training.model.page_out import paging_out_while_loading
 from ..training.spec.choices import WEIGHT_DTYPES
 from ..training.spec.options import ModelRecipe
 from .run.held_weights import attach_reload
@@ -74,7 +75,8 @@ class PipeTrainerLoadDiffusionModel(io.ComfyNode):
     def execute(cls, unet_name: str, weight_dtype: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         options = model_options(weight_dtype)
-        model = comfy.sd.load_diffusion_model(path, model_options=options)
+        with paging_out_while_loading():  # the loader holds the model about once, not the mapped file beside it
+            model = comfy.sd.load_diffusion_model(path, model_options=options)
         attach_reload(model, comfy.sd.load_diffusion_model, (path, options))  # ComfyUI's copy is freed in training
         attach_recipe(model, ModelRecipe("diffusion_model", path, weight_dtype, file_fingerprint(path)))
         return io.NodeOutput(model)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...training.model.fingerprint import file_fingerprint
+from ...training.model.page_out import paging_out_while_loading
 from ...training.model.stage_weights import resident_bytes
 
 RELOAD_KEY = "pipetrainer.reload"
@@ -42,7 +43,8 @@ def reload_factory(model) -> tuple | None:
 
 
 def _load_again(factory: tuple):
-    out = factory[0](*factory[1])
+    with paging_out_while_loading():  # ComfyUI's loader holds the model about once, beside the ranks' stages
+        out = factory[0](*factory[1])
     return out[factory[2]] if len(factory) > 2 else out
 
 

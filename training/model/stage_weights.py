@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from .page_out import paged_out_as_loaded
+
 
 def _under(key: str, paths: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in paths)
@@ -77,7 +79,8 @@ class DeferredWeights:
             return []
         skip = tuple(skip)
         wanted = {k: v for k, v in self.tensors.items() if not _under(k, skip)}
-        missing, unexpected = diffusion_model.load_state_dict(wanted, strict=False)
+        with paged_out_as_loaded(diffusion_model):  # the rank holds the stage about once, not twice, while it loads
+            missing, unexpected = diffusion_model.load_state_dict(wanted, strict=False)
         if unexpected:
             raise RuntimeError(f"The model file has weights the model does not take: {unexpected[:5]}")
         self.tensors.clear()  # drop the file mapping's references: what was not read is never paged in
