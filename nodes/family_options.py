@@ -23,7 +23,7 @@ from typing import Any
 from comfy_api.latest import io
 
 from ..training.pipelines.base import adapter_for, known_families
-from ..training.pipelines.options import option_names
+from ..training.pipelines.options import option_names, options_from_inputs, parse_family_options
 from .types import CATEGORY
 
 FamilyOptionsConfig = io.Custom("PIPETRAINER_FAMILY_OPTIONS")
@@ -143,3 +143,17 @@ class PipeTrainerFamilyOptions(io.ComfyNode):
     @classmethod
     def execute(cls, family: str | dict, **flat: Any) -> io.NodeOutput:
         return io.NodeOutput(chosen_options(family, flat))
+
+
+def run_family_options(family: str, settings: Mapping[str, Any],
+                       chosen: FamilyOptions | None) -> tuple[dict[str, Any], list[str], list[str]]:
+    """``(options, problems, notes)`` of a run of a ``family`` model: Train LoRA's widgets of the family's
+    option names (``settings``), replaced by the Family Options node's values when it is connected, then
+    checked by the family's own option type."""
+    options_type = adapter_for(family).options_type
+    options = options_from_inputs(options_type, settings)
+    problems: list[str] = []
+    notes: list[str] = []
+    if chosen is not None:
+        options, problems, notes = chosen.merged(family, options)
+    return options, problems + parse_family_options(family, options_type, options)[1], notes

@@ -15,8 +15,7 @@ from comfy_api.latest import io, ui
 from safetensors.torch import load_file
 
 from ..training.adapters.problems import adapter_target_problems
-from ..training.pipelines.base import UnknownFamilyError, adapter_for, family_name_for
-from ..training.pipelines.options import options_from_inputs, parse_family_options
+from ..training.pipelines.base import UnknownFamilyError, family_name_for
 from ..training.spec.choices import PARTITION_METHODS, TRAIN_DTYPES, SpecError
 from ..training.spec.options import BLOCKS_TO_SWAP_AUTO, RegularizationSpec, TimestepSpec, TrainSpec, ValidationSpec
 from ..training.spec.run_spec import RunSpec
@@ -25,7 +24,7 @@ from .checks import graph_patches, memory, preflight
 from .checks.launch import launch_settings, resolve_gpus
 from .checks.stacked_loras import write_stacked_loras
 from .checks.training_adapter import training_adapter_problems, with_training_adapter
-from .family_options import FamilyOptionsConfig
+from .family_options import FamilyOptionsConfig, run_family_options
 from .gpus_memory import GpusMemoryConfig
 from .model_source import no_recipe_message, recipe_of
 from .presets import NO_PRESET, apply_preset, preset_choices
@@ -206,14 +205,10 @@ class PipeTrainerTrain(io.ComfyNode):
         except UnknownFamilyError as exc:
             problems.append(str(exc))
         else:
-            options_type = adapter_for(family).options_type
-            family_options = options_from_inputs(options_type, settings)
-            if family_node is not None:  # the Family Options node's values are the run's
-                family_options, chosen_problems, overridden = family_node.merged(family, family_options)
-                problems += chosen_problems
-                if notes is not None:
-                    notes += overridden
-            problems += parse_family_options(family, options_type, family_options)[1]
+            family_options, option_problems, overridden = run_family_options(family, settings, family_node)
+            problems += option_problems
+            if notes is not None:
+                notes += overridden
             problems += training_adapter_problems(model, family, recipe)
             applied = apply_preset(preset, family, model, lora, optimizer, settings)
             lora, optimizer, settings = applied.lora, applied.optimizer, applied.settings

@@ -89,3 +89,15 @@ def test_options_set_for_another_family_are_refused_by_train_lora_with_the_fix(t
     spec = PipeTrainerTrain.build_spec(tiny_model, demo_cache, LoraSpec(rank=4, alpha=4.0), OptimizerSpec(),
                                        "family_options_test", notes=[], **SETTINGS)
     assert spec.family_options == {}  # unconnected: nothing else changes
+
+
+def test_the_run_takes_the_node_s_values_and_the_family_checks_them(comfy_root):
+    from pipetrainer.nodes.family_options import FamilyOptions, run_family_options
+
+    train_widgets = {"guidance": 1.0, "first_frame_clean": True, "frame_rate": 25.0, "steps": 10}
+    options, problems, notes = run_family_options("Flux", train_widgets, FamilyOptions("Flux", {"guidance": 3.5}))
+    assert (options, problems) == ({"guidance": 3.5}, [])
+    assert notes == ["guidance: Family Options (PipeTrainer)'s 3.5 is used (Train LoRA's 1.0 is set aside)."]
+    assert run_family_options("Flux", train_widgets, None) == ({"guidance": 1.0}, [], [])  # unconnected: Train's
+    _, refused, _ = run_family_options("LTX2", train_widgets, FamilyOptions("LTX2", {"frame_rate": 0.0}))
+    assert refused == ["LTX2: frame_rate must be between 0 and 1000 frames per second (got 0.0)."]
