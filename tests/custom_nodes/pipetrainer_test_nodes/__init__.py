@@ -133,12 +133,12 @@ NODE_CLASS_MAPPINGS = {"PipeTrainerTestTinyUMT5Loader": TinyUMT5Loader}
 NODE_DISPLAY_NAME_MAPPINGS = {"PipeTrainerTestTinyUMT5Loader": "Tiny UMT5 Loader (test)"}
 
 
-# The tiny LLM text encoders (Gemma 2, Mistral 3, Qwen3, Qwen2.5-VL) live in modules of their own. Their nodes register when
-# this folder is imported as a package (ComfyUI, or pytest through ``pipetrainer``); a test that
-# executes this file alone for ``tiny_umt5_clip`` (not in sys.modules, no package) gets the UMT5 node only.
+# The tiny LLM text encoders (Gemma 2, Mistral 3, Qwen3, Qwen2.5-VL; LTX-2's Gemma 3) live in modules of their own.
+# Their nodes register when this folder is imported as a package (ComfyUI, or pytest through ``pipetrainer``);
+# a test that executes this file alone for ``tiny_umt5_clip`` (not in sys.modules, no package) gets the UMT5 node only.
 if __name__ in sys.modules:
-    from . import tiny_gemma2, tiny_mistral, tiny_qwen3, tiny_qwen25vl
+    from . import tiny_gemma2, tiny_ltx2, tiny_mistral, tiny_qwen3, tiny_qwen25vl
 
-    for _module in (tiny_gemma2, tiny_mistral, tiny_qwen3, tiny_qwen25vl):
+    for _module in (tiny_gemma2, tiny_ltx2, tiny_mistral, tiny_qwen3, tiny_qwen25vl):
         NODE_CLASS_MAPPINGS.update(_module.NODE_CLASS_MAPPINGS)
         NODE_DISPLAY_NAME_MAPPINGS.update(_module.NODE_DISPLAY_NAME_MAPPINGS)
