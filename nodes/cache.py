@@ -41,7 +41,8 @@ class PipeTrainerCache(io.ComfyNode):
                         "encoded with the same VAE at their target's bucket size into the target's entry; a changed "
                         "reference re-encodes its item only. For image-to-video models (Wan I2V), start_image first_frame "
                         "also caches each item's start-image conditioning as WanImageToVideo (and, with a CLIP "
-                        "vision model, CLIP Vision Encode) builds it. Reports cached / reused / re-encoded (why) / "
+                        "vision model, CLIP Vision Encode) builds it; for HunyuanVideo 1.5 I2V, first_frame_alone as "
+                        "HunyuanVideo15ImageToVideo does. Reports cached / reused / re-encoded (why) / "
                         "skipped (why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
@@ -57,11 +58,14 @@ class PipeTrainerCache(io.ComfyNode):
                 io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
                                tooltip="Image-to-video (Wan I2V): first_frame caches each clip's first frame as "
                                        "WanImageToVideo conditions on it (with CLIP vision features when "
-                                       "connected). none: text-to-video. README: Cache."),
+                                       "connected). HunyuanVideo 1.5 I2V: first_frame_alone, as "
+                                       "HunyuanVideo15ImageToVideo (the frame encoded alone, SigLIP's last hidden "
+                                       "state). none: text-to-video. README: Cache."),
                 io.ClipVision.Input("clip_vision", optional=True,
-                                    tooltip="Wan 2.1 I2V only: the CLIP vision model its workflow uses (e.g. "
-                                            "clip_vision_h from 'Load CLIP Vision'). Needs start_image first_frame; "
-                                            "Wan 2.2 I2V takes none. Its weights are part of the cache key."),
+                                    tooltip="Wan 2.1 I2V: the CLIP vision model its workflow uses (e.g. "
+                                            "clip_vision_h from 'Load CLIP Vision'), with start_image first_frame; "
+                                            "Wan 2.2 I2V takes none. HunyuanVideo 1.5 I2V: sigclip_vision_patch14_384, "
+                                            "with first_frame_alone. Its weights are part of the cache key."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
                                tooltip="Edit datasets with an image-reading text encoder (Qwen-Image-Edit): "

@@ -56,7 +56,8 @@ def test_hunyuan_video_10_no_longer_claims_15(comfy_root):
 
 
 def test_a_start_image_cache_is_refused_with_the_reason(comfy_root):
-    """Image-to-video needs conditioning the cache cannot make yet; preflight says why, not just 'ignored'."""
+    """Wan's start image (``first_frame``) is not 1.5's; preflight says why and names ``first_frame_alone``
+    (tests/test_hunyuan_video15_i2v.py trains 1.5 image-to-video)."""
     from pipetrainer.training.cache.start_image import CONCAT_LATENT
     from pipetrainer.training.pipelines.checks import CachedShapes, extra_problems
 
@@ -65,8 +66,8 @@ def test_a_start_image_cache_is_refused_with_the_reason(comfy_root):
     shapes = CachedShapes(latents={"l0": (32, 3, 5, 7)}, conds={"t0": (6, CONTEXT)}, pooled={"t0": 0},
                           unreadable=(), extras={"l0": {CONCAT_LATENT: (32, 3, 5, 7)}}, items=(("clip.mp4", "l0", "t0"),))
     [problem] = extra_problems(shapes, adapter_for("HunyuanVideo15").extras(dm), "HunyuanVideo15")
-    assert "HunyuanVideo 1.5 image-to-video training is not supported yet" in problem
-    assert "'concat_latent' for clip.mp4" in problem and "start_image to none" in problem
+    assert "set start_image to first_frame_alone" in problem
+    assert "'concat_latent' for clip.mp4" in problem and "set it to none" in problem
     plain = CachedShapes(latents={"l0": (32, 3, 5, 7)}, conds={"t0": (6, CONTEXT)}, pooled={"t0": 0},
                          unreadable=(), items=(("clip.mp4", "l0", "t0"),))
     assert extra_problems(plain, adapter_for("HunyuanVideo15").extras(dm), "HunyuanVideo15") == []

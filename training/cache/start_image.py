@@ -13,6 +13,14 @@ an image item (1 frame) gets the latent of itself, as ``WanImageToVideo`` with `
 The mode, the gray value, the CLIP crop mode and the CLIP-vision model's identity (weights fingerprint,
 dtype, input size and normalization) join the latent key (keys.py) only when a start image is cached,
 so the keys of caches made without it are unchanged.
+
+HunyuanVideo 1.5 image-to-video (``start_image = first_frame_alone``) conditions as ComfyUI's
+``HunyuanVideo15ImageToVideo`` does: the start image (the item's first frame, at its bucket size) encoded
+alone, its latent frames at the start of a zero latent of the item's shape (``concat_latent_alone``; the
+family adds ``concat_mask``'s channel, 1 on those frames), and, with a CLIP vision model (SigLIP), the
+``last_hidden_state`` of ``CLIP Vision Encode`` (crop center, as ComfyUI's HunyuanVideo 1.5 I2V template
+sets it) that ``HunyuanVideo15.extra_conds`` hands the model as ``clip_fea`` (``clip_vision_last``). Its
+extras have their own names, so preflight tells a Wan cache from a HunyuanVideo 1.5 one.
 """
 
 from __future__ import annotations
@@ -23,13 +31,17 @@ import torch
 
 from .encoders import _unpatched_weights, weights_fingerprint
 
-START_IMAGE_MODES = ("none", "first_frame")
+START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone")
 NO_START_IMAGE = "none"
+FIRST_FRAME_ALONE = "first_frame_alone"  # HunyuanVideo 1.5 (HunyuanVideo15ImageToVideo)
 CONCAT_LATENT = "concat_latent"  # the extra names the Wan family reads (training/pipelines/wan.py)
 CLIP_FEA = "clip_fea"
-START_IMAGE_EXTRAS = (CONCAT_LATENT, CLIP_FEA)
+CONCAT_LATENT_ALONE = "concat_latent_alone"  # the HunyuanVideo 1.5 family's (training/pipelines/hunyuan_video15.py)
+CLIP_VISION_LAST = "clip_vision_last"
+START_IMAGE_EXTRAS = (CONCAT_LATENT, CLIP_FEA, CONCAT_LATENT_ALONE, CLIP_VISION_LAST)
 GRAY = 0.5  # WanImageToVideo's value for the frames after the start image
 CLIP_CROP = "none"  # CLIP Vision Encode's crop in ComfyUI's Wan image-to-video template: squash, no crop
+ALONE_CLIP_CROP = "center"  # CLIP Vision Encode's crop in ComfyUI's HunyuanVideo 1.5 image-to-video template
 
 
 def start_clip_pixels(first: torch.Tensor, frames: int) -> torch.Tensor:
@@ -57,6 +69,21 @@ def clip_vision_features(clip_vision, first: torch.Tensor) -> torch.Tensor:
     return output["penultimate_hidden_states"][0].to(torch.float32).cpu().contiguous()
 
 
+def clip_vision_last_state(clip_vision, first: torch.Tensor) -> torch.Tensor:
+    """``[tokens, width]``: what ``CLIP Vision Encode`` (crop center) gives ``HunyuanVideo15.extra_conds``, which
+    hands its ``last_hidden_state`` to the model as ``clip_fea``, for the image ``first`` (``[1, H, W, C]``)."""
+    output = clip_vision.encode_image(first[..., :3], crop=ALONE_CLIP_CROP == "center")
+    return output["last_hidden_state"][0].to(torch.float32).cpu().contiguous()
+
+
+def start_latent_alone(first_latent: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """``[C, F, H, W]`` (``latent``'s shape): the start image's own latent frames (``first_latent``), zeros after,
+    as ``HunyuanVideo15ImageToVideo`` fills ``concat_latent_image``."""
+    out = torch.zeros_like(latent)
+    out[:, :first_latent.shape[1]] = first_latent
+    return out
+
+
 class StartImage:
     """The Cache node's start-image option and its CLIP-vision model (optional)."""
 
@@ -75,13 +102,20 @@ class StartImage:
             return [f"start_image must be one of {', '.join(START_IMAGE_MODES)} (got {self.mode!r})."]
         if self.clip_vision is not None and not self.active:
             return ["A CLIP vision model is connected to 'Cache Latents & Text' but start_image is none, so it would "
-                    "not be used: set start_image to first_frame (image-to-video training), or disconnect it."]
+                    "not be used: set start_image to first_frame (Wan image-to-video training) or first_frame_alone "
+                    "(HunyuanVideo 1.5), or disconnect it."]
         return []
 
     def identity(self) -> dict | None:
         """The named parts of the start-image conditioning for the latent key; None without one (old keys)."""
         if not self.active:
             return None
+        if self._identity is None and self.mode == FIRST_FRAME_ALONE:
+            clip = None
+            if self.clip_vision is not None:
+                clip = {"model": clip_vision_identity(self.clip_vision), "crop": ALONE_CLIP_CROP,
+                        "state": "last_hidden_state"}
+            self._identity = {"mode": self.mode, "clip_vision": clip}
         if self._identity is None:
             clip = None
             if self.clip_vision is not None:
@@ -96,6 +130,13 @@ class StartImage:
             return {}
         first = pixels[:1, ..., :3]
         frames = int(pixels.shape[0])
+        if self.mode == FIRST_FRAME_ALONE:
+            # An image (1 frame) is its own start image: its latent is the start image's, encoded alone.
+            alone = latent.clone() if frames == 1 else start_latent_alone(encode_latent(first), latent)
+            out = {CONCAT_LATENT_ALONE: alone}
+            if self.clip_vision is not None:
+                out[CLIP_VISION_LAST] = clip_vision_last_state(self.clip_vision, first)
+            return out
         # One frame: WanImageToVideo encodes the start image alone, which is the item's own latent.
         concat = latent.clone() if frames == 1 else encode_latent(start_clip_pixels(first, frames))
         out = {CONCAT_LATENT: concat}

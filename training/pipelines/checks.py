@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..cache.start_image import START_IMAGE_EXTRAS
+from ..cache.start_image import CLIP_FEA, START_IMAGE_EXTRAS
 from ..objective.loss import prediction_type
 from ..spec.options import TimestepSpec
 from .base import REFERENCE_PREFIX, ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
@@ -242,9 +242,12 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
     if unused_start:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unused_start.items()))
         takes = sorted(n for n in specs if n in START_IMAGE_EXTRAS)
-        if takes:  # an image-to-video model without a CLIP-vision input (Wan 2.2 I2V)
+        if takes and set(unused_start) <= {CLIP_FEA}:  # an image-to-video model without a CLIP-vision input (Wan 2.2 I2V)
             fix = (f"the model takes only {', '.join(takes)}: disconnect clip_vision from 'Cache Latents & Text' "
                    "and cache again")
+        elif takes:  # another family's start-image mode (HunyuanVideo 1.5's first_frame_alone for Wan)
+            fix = (f"it was made by another start_image mode than this model's (it takes {', '.join(takes)}): set "
+                   "start_image on 'Cache Latents & Text' to the mode this model needs and cache again")
         else:
             fix = ("the model is not an image-to-video model: load the image-to-video model you meant to train, or "
                    "set start_image to none (and disconnect clip_vision) on 'Cache Latents & Text' and cache again")
