@@ -9,6 +9,8 @@ What it checks, through the page itself:
   no missing node type and no red node;
 - a bad ``lora_name`` typed into the Train node is refused when queued, and the error the user sees
   names that widget;
+- a bad dataset (a file without a caption, a PNG cut short) queued with a bad ``lora_name`` gives one error
+  report for the queue that names each problem once, and starts nothing;
 - the tiny example, with a Preview Settings and a Validation Loss node added from the page and queued
   with the Run button, shows progress text and the loss-curve picture on the Train node while it runs,
   and ends with the LoRA file and the validation loss named on the node and the sample previews shown.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -87,8 +90,18 @@ def _template_dialog(page):
             continue
         page.get_by_text("Templates", exact=True).first.click()
     templates.first.wait_for(timeout=10_000)
-    templates.get_by_text(PACK_TEMPLATES, exact=True).click()
+    templates.get_by_role("button", name=PACK_TEMPLATES, exact=True).click()
     return templates
+
+
+def _open_template(page, name: str) -> None:
+    """Click template ``name`` in this pack's templates, found through the browser's search box where it has
+    one: the grid draws its first page of cards only, in the server's file order."""
+    dialog = _template_dialog(page)
+    search = dialog.get_by_placeholder("Search")
+    if search.count():
+        search.first.fill(name)
+    dialog.get_by_text(name, exact=True).first.click()
 
 
 USER_FILE = (".safetensors", ".gguf", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".png", ".jpg", ".jpeg", ".webp", ".mp4")
@@ -115,8 +128,7 @@ def test_every_example_opens_from_the_template_browser_without_missing_or_red_no
     signature = "JSON.stringify(window.app.graph._nodes.map(n => [n.id, n.type, n.widgets_values]))"
     for name in WORKFLOWS:  # each opened once, so each load changes the graph
         before = page.evaluate(f"() => {signature}")
-        dialog = _template_dialog(page)
-        dialog.get_by_text(name, exact=True).first.click()
+        _open_template(page, name)
         page.wait_for_function(f"(before) => !document.querySelector('[role=dialog]') && {signature} !== before",
                                arg=before)
         time.sleep(0.5)  # the graph is configured in one go; let a missing-nodes dialog open
@@ -131,7 +143,7 @@ def test_every_example_opens_from_the_template_browser_without_missing_or_red_no
 
 
 def _open_tiny(page):
-    _template_dialog(page).get_by_text(TINY, exact=True).first.click()
+    _open_template(page, TINY)
     page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'PipeTrainerTrain')")
     return page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'PipeTrainerTrain').id")
 
@@ -217,3 +229,87 @@ def test_the_tiny_example_shows_progress_previews_the_loss_curve_and_where_the_l
     assert previews, "no loss-curve picture reached the Train node while it ran"
     images = page.evaluate(f"() => ((window.app.nodeOutputs || {{}})['{train}'] || {{}}).images || []")
     assert images, "the Train node shows no sample preview at the end"
+
+
+
+def _bad_dataset(folder: Path) -> dict[str, str]:
+    """A folder with two problems at once, beside a good captioned image: an image without a caption and a
+    captioned PNG cut short; returns the file names."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    names = {"good": "good.png", "uncaptioned": "no_caption_here.png", "cut": "cut_short.png"}
+    for key, name in names.items():
+        Image.new("RGB", (64, 64), (40 * len(key), 90, 160)).save(folder / name)
+        if key != "uncaptioned":
+            (folder / name).with_suffix(".txt").write_text(f"a {key} square")
+    data = (folder / names["cut"]).read_bytes()
+    (folder / names["cut"]).write_bytes(data[: len(data) // 2])
+    return names
+
+
+def test_a_bad_dataset_gives_one_dialog_listing_every_problem_once(page, artifacts, tmp_path, server):
+    """Issue #26: a folder with a file without a caption and a PNG cut short, and a bad ``lora_name`` on the
+    Train node, queued with the Run button: one error report for the queue, naming each problem once."""
+    train = _open_tiny(page)
+    names = _bad_dataset(tmp_path / "bad_dataset")
+    lora_name = f"../evil_{secrets.token_hex(3)}"
+    dataset = page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'PipeTrainerDataset').id")
+    _set_widget(page, dataset, "folder", str(tmp_path / "bad_dataset"))
+    _set_widget(page, dataset, "missing_caption", "error")
+    _set_widget(page, train, "lora_name", lora_name)
+    queue = "() => fetch('/queue').then(r => r.json()).then(q => q.queue_running.length + q.queue_pending.length)"
+    deadline = time.monotonic() + 300
+    while page.evaluate(queue) and time.monotonic() < deadline:  # an earlier test's run (its sampling) ends first
+        time.sleep(1)
+    progress = f"""() => ((window.app.graph.getNodeById({train}).widgets || [])
+                         .find(w => w.name === '{TEXT_WIDGET}') || {{}}).value || ''"""
+    progress_before = page.evaluate(progress)
+    runs = server.root / "output" / "pipetrainer" / "runs"
+    runs_before = sorted(runs.iterdir()) if runs.is_dir() else []
+    queued = []
+
+    def on_request(request):
+        if request.method == "POST" and request.url.endswith("/prompt"):
+            queued.append(request)
+
+    page.on("request", on_request)
+    problems = {"the file without a caption": names["uncaptioned"], "the PNG cut short": names["cut"],
+                "the bad lora_name": "must be a plain file name", "its value": lora_name.lstrip("./")}
+    body = "() => document.body.innerText"
+    try:
+        _run(page)
+        # 0.3.75's frontend opens a dialog with every message; 1.49 shows one notice ("2 errors found",
+        # "View details") that opens the errors panel, where each entry's info button shows its message
+        page.wait_for_function("() => /errors? found|Prompt outputs failed validation/i.test(document.body.innerText)",
+                               timeout=60_000)
+        time.sleep(3)  # a second report of the same queue would be open by now
+        dialogs = page.locator("[role=dialog]").filter(has_text=names["uncaptioned"])
+        notices = page.get_by_text(re.compile(r"^\d+ errors? found$"))
+        assert dialogs.count() + notices.count() == 1, page.evaluate(body)[-3000:]
+        if notices.count():
+            assert notices.first.inner_text().strip() == "2 errors found"  # one per node: Dataset, Train LoRA
+            page.get_by_text("View details", exact=True).first.click()
+            page.get_by_text("Errors detected", exact=True).wait_for(timeout=30_000)
+            infos = page.locator("button[aria-label^='Info for']")
+            labels = sorted(infos.nth(i).get_attribute("aria-label") for i in range(infos.count()))
+            assert labels == ["Info for Dataset (PipeTrainer) - dataset",
+                              "Info for Train LoRA (PipeTrainer) - lora_name"], labels
+            for i in range(infos.count()):
+                infos.nth(i).click()
+            page.wait_for_function(f"() => {json.dumps(list(problems.values()))}.every(t => ({body})().includes(t))",
+                                   timeout=30_000)
+            time.sleep(1)  # the messages unfold: let the screenshot show them whole
+            assert page.get_by_text("Errors detected", exact=True).count() == 1
+    finally:
+        page.screenshot(path=str(artifacts / "bad_dataset.png"))
+        page.remove_listener("request", on_request)
+    shown = page.evaluate(body)
+    for what, text in problems.items():
+        assert shown.count(text) == 1, f"{what} ({text!r}) is shown {shown.count(text)} times:\n{shown[-3000:]}"
+    assert len(queued) == 1, f"the Run button sent {len(queued)} prompts"
+    # nothing started: the queue is empty, the Train node shows no progress, no run folder was made
+    time.sleep(2)
+    assert page.evaluate(queue) == 0, "a prompt was queued"
+    assert page.evaluate(progress) == progress_before, page.evaluate(progress)
+    assert (sorted(runs.iterdir()) if runs.is_dir() else []) == runs_before

@@ -164,7 +164,7 @@ def test_a_stated_minimum_comfyui_is_read_from_the_description():
 # ---- what each example trains and how it samples ---------------------------------------------------------
 # The family each example's model belongs to, the Train node's family options it must set (the others stay
 # at their defaults), and what its data needs: reference images (control_folder), start-image latents
-# (Cache start_image first_frame) and CLIP-vision features (Cache clip_vision) for image-to-video models.
+# (Cache start_image first_frame, or first_frame_alone for HunyuanVideo 1.5) and CLIP-vision features (Cache clip_vision) for image-to-video models.
 EXAMPLES = {
     "pipetrainer_tiny_mmdit": ("SD3", {}, set()),
     "pipetrainer_flux_dev": ("Flux", {"guidance": 1.0}, set()),
@@ -186,6 +186,7 @@ EXAMPLES = {
     "pipetrainer_wan_vace": ("WanVace", {}, {"control_folder", "vace_control"}),
     "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
     "pipetrainer_hunyuan_video15": ("HunyuanVideo15", {"guidance": 1.0}, set()),
+    "pipetrainer_hunyuan_video15_i2v": ("HunyuanVideo15", {"guidance": 1.0}, {"start_image_alone", "clip_vision"}),
     "pipetrainer_ltxv": ("LTXV", {}, set()),
     "pipetrainer_krea2": ("Krea2", {}, set()),
     "pipetrainer_mage_flow": ("MageFlow", {}, set()),
@@ -250,7 +251,9 @@ def test_each_example_sets_its_family_options_and_data(api_file, object_info):
     _, dataset = _only(api, "PipeTrainerDataset")
     _, cache = _only(api, "PipeTrainerCache")
     assert bool(dataset["inputs"].get("control_folder")) == ("control_folder" in needs)
-    assert (cache["inputs"].get("start_image", "none") == "first_frame") == ("start_image" in needs)
+    start = cache["inputs"].get("start_image", "none")
+    assert (start == "first_frame") == ("start_image" in needs)
+    assert (start == "first_frame_alone") == ("start_image_alone" in needs)
     assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
     assert isinstance(cache["inputs"].get("audio_vae"), list) == ("audio_vae" in needs)
     assert (cache["inputs"].get("vace_control", "off") == "on") == ("vace_control" in needs)
