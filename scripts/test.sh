@@ -3,10 +3,11 @@
 #   current  ComfyUI v0.33.0 (scripts/current_host.sh: .host/current/ComfyUI and its venv .host/current/venv,
 #            or $COMFYUI_PATH): the whole suite, slow tier included;
 #   0.3.75   ComfyUI 0.3.75, the compatibility host (scripts/setup.sh: .host/ComfyUI and .venv): the fast tier
-#            (-m 'not slow'), the example workflow end to end (tests/test_e2e.py) among it.
+#            (-m 'not slow or frontend': with the browser test that opens every example in its own frontend),
+#            the example workflow end to end (tests/test_e2e.py) among it.
 # Where the current host cannot be had (no ../shared, no COMFYUI_PATH, no GitHub) the 0.3.75 host runs alone
 # and the summary says the current-host tier was skipped and why.
-# Arguments go to every pytest run (after the 0.3.75 run's -m 'not slow', so a -m given here wins there).
+# Arguments go to every pytest run (after the 0.3.75 run's -m, so a -m given here wins there).
 # PIPETRAINER_HOSTS="current" or "0.3.75" runs one host only.
 # Two pytest-xdist workers, one test file each at a time (module fixtures are built once): the heavy
 # tests are process trees that keep about one core busy, so two files side by side use a 2-core CI
@@ -93,7 +94,7 @@ if [ -n "$current_root" ]; then
   run_pytest "$version (current host$scope)" .host/current/venv/bin/python "$current_root" "$@"
 fi
 if [ "$compat_ready" = 1 ]; then
-  run_pytest "0.3.75 (compatibility host, fast tier)" .venv/bin/python "$PWD/.host/ComfyUI" -m "not slow" "$@"
+  run_pytest "0.3.75 (compatibility host, fast tier)" .venv/bin/python "$PWD/.host/ComfyUI" -m "not slow or frontend" "$@"
 fi
 
 echo
