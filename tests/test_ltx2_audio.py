@@ -96,6 +96,8 @@ def test_a_clip_without_sound_trains_on_encoded_silence_of_its_kept_span(audio_v
     played, _ = sound.waveform(loud, bucket, float(FPS))
     assert played.shape == samples.shape and played.abs().max() > 0.1
     assert sound.key_part(quiet) != sound.key_part(loud)
+    assert sound.note() == ("1 clip(s) have no sound track and train on encoded silence of their kept span: "
+                            "quiet.mp4")  # said in the Cache node's report
 
 
 def test_a_changed_track_reencodes_only_its_item(audio_vae, encoders, tmp_path):

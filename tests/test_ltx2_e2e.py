@@ -259,6 +259,7 @@ def test_ltx2_workflow_caches_sound_trains_on_one_and_two_stages_and_samples_wit
     assert report.startswith("cached 4 latents, 4 texts; reused 0 latents, 0 texts; re-encoded 0 latents, 0 texts; "
                              "skipped 0 files"), report
     assert re.search(r"buckets: \d+x\d+x9 \(4\)", report), report
+    assert "1 clip(s) have no sound track and train on encoded silence of their kept span: quiet" in report, report
     ckpt_path = comfy_root / "models" / "checkpoints" / LTX2_CHECKPOINT_FILE
     _check_cached_sound(specs[1], ckpt_path)
     assert specs[1]["items"] == specs[2]["items"]  # both runs trained on the same cache entries

@@ -12,6 +12,8 @@ track, or silence over the kept frames), gets the encoding of digital silence of
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..data.audio import SOUND, audio_preprocessing, read_clip_audio, track_digest
@@ -33,6 +35,16 @@ class ClipSound:
     def __init__(self, audio_vae=None):
         self.vae = audio_vae_of(audio_vae) if audio_vae is not None else None
         self._dtype = str(getattr(audio_vae, "vae_dtype", ""))
+        self.without_track: dict[str, None] = {}  # clips keyed so far that have no audio track, in order
+
+    def note(self) -> str | None:
+        """The Cache report's line on the clips without a sound track (None when there are none)."""
+        names = [os.path.basename(p) for p in self.without_track]
+        if not names:
+            return None
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return (f"{len(names)} clip(s) have no sound track and train on encoded silence of their kept span: "
+                f"{', '.join(names[:3])}{more}")
 
     @property
     def active(self) -> bool:
@@ -49,6 +61,8 @@ class ClipSound:
             return {}
         s = audio_settings(self.vae)
         track = (track_digest(entry.path) if entry.is_video else "") or SILENCE_TRACK
+        if entry.is_video and track == SILENCE_TRACK:
+            self.without_track[entry.path] = None
         return {"audio": audio_key(track, audio_preprocessing(s["rate"], s["channels"]), self.identity())}
 
     def waveform(self, entry, bucket: Bucket, fps: float) -> tuple[torch.Tensor, int]:

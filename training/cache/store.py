@@ -278,6 +278,9 @@ class _Filler:
                 out.append(ItemPlan(entry, i, bucket, digest, prep,
                                     latent_key(digest, sig, vae_id, ref_digests, start_sig, variants_sig), tkey,
                                     ref_digests, texts, variants_sig=variants_sig))
+        silent = self.sound.note()
+        if silent:
+            self.report.notes.append(silent)
         return out
 
     def empty_caption_plans(self, planned: list[ItemPlan]) -> list[ItemPlan | None]:
