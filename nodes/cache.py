@@ -56,16 +56,13 @@ class PipeTrainerCache(io.ComfyNode):
                                        "training_dtype. bf16 halves the cache and what each training rank reads; "
                                        "caches written in fp32 before still load."),
                 io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
-                               tooltip="Image-to-video (Wan I2V): first_frame caches each clip's first frame as "
-                                       "WanImageToVideo conditions on it (with CLIP vision features when "
-                                       "connected). HunyuanVideo 1.5 I2V: first_frame_alone, as "
-                                       "HunyuanVideo15ImageToVideo (the frame encoded alone, SigLIP's last hidden "
-                                       "state). none: text-to-video. README: Cache."),
+                               tooltip="Image-to-video: first_frame as WanImageToVideo (Wan I2V), first_frame_alone "
+                                       "as HunyuanVideo15ImageToVideo (HunyuanVideo 1.5 I2V); none: text-to-video. "
+                                       "README: Cache."),
                 io.ClipVision.Input("clip_vision", optional=True,
-                                    tooltip="Wan 2.1 I2V: the CLIP vision model its workflow uses (e.g. "
-                                            "clip_vision_h from 'Load CLIP Vision'), with start_image first_frame; "
-                                            "Wan 2.2 I2V takes none. HunyuanVideo 1.5 I2V: sigclip_vision_patch14_384, "
-                                            "with first_frame_alone. Its weights are part of the cache key."),
+                                    tooltip="The CLIP vision model of the I2V workflow: clip_vision_h (Wan 2.1 I2V, "
+                                            "first_frame), sigclip_vision_patch14_384 (HunyuanVideo 1.5, "
+                                            "first_frame_alone); Wan 2.2 I2V takes none."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
                                tooltip="Edit datasets with an image-reading text encoder (Qwen-Image-Edit): "
