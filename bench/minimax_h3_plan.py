@@ -42,11 +42,11 @@ def build(weight: str):
     """(diffusion model, layout, layers with the engine's leading input slot) at the real config."""
     import torch
     from pipetrainer.training.model.meta_model import build_on_meta
-    from pipetrainer.training.pipelines.minimax_h3 import MiniMaxH3Layout
+    from pipetrainer.training.pipelines.minimax_h3 import MiniMaxH3Adapter
 
     dtypes = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, torch.bfloat16)}
     model = build_on_meta("MiniMaxH3", {"image_model": "minimax_h3"}, *dtypes[weight])
-    layout = MiniMaxH3Layout()
+    layout = MiniMaxH3Adapter()
     dm = model.diffusion_model
     return dm, layout, [None, *layout.stage_layers(dm)]
 

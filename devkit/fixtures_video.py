@@ -88,11 +88,12 @@ def build_tiny_wan21_vae(path: Path, seed: int = 2101) -> Path:
 HUNYUAN_VIDEO_FILE = "pipetrainer-tiny-hunyuan-video.safetensors"
 
 
-def build_tiny_hunyuan_video(path: Path, seed: int = 1313) -> Path:
+def build_tiny_hunyuan_video(path: Path, seed: int = 1313, in_channels: int = 16) -> Path:
     """HunyuanVideo (T2V) with the smallest dims ComfyUI's detection accepts: hidden 128 (detection gives
     128 // 128 = 1 head and rotary axes [16, 56, 56]), 1 double and 1 single block, the 768-wide pooled
     CLIP-L vector and the guidance embedding. Detection reads the text width from the weights: 768 here
-    (the real llava-llama3 encoder gives 4096, which would add 0.8 M parameters): 1.83 M parameters."""
+    (the real llava-llama3 encoder gives 4096, which would add 0.8 M parameters): 1.83 M parameters.
+    ``in_channels`` 33 makes the HunyuanVideoI2V layout (32: SkyReels I2V), which detection tells by it."""
     import dataclasses
 
     import torch
@@ -101,7 +102,7 @@ def build_tiny_hunyuan_video(path: Path, seed: int = 1313) -> Path:
 
     from .fixtures import _randomize_scaled
 
-    config = {"in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 768, "hidden_size": 128,
+    config = {"in_channels": in_channels, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 768, "hidden_size": 128,
               "mlp_ratio": 4.0, "num_heads": 1, "depth": 1, "depth_single_blocks": 1, "axes_dim": [16, 56, 56],
               "theta": 256, "patch_size": [1, 2, 2], "qkv_bias": True, "guidance_embed": True, "byt5": False,
               "meanflow": False, "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}

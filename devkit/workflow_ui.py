@@ -257,10 +257,10 @@ def thumbnail(ui: dict, object_info: dict[str, dict], title: str, width: int = 6
 FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",
                "clip_name4", "vae_name",
                "lora_name", "image", "video", "audio", "model_name", "control_net_name", "style_model_name",
-               "file", "text_encoder"}  # "file": LoadVideo's (the VACE example's control video); "text_encoder":
-# LTXAVTextEncoderLoader's
+               "file", "text_encoder", "audio_encoder_name"}  # "file": LoadVideo's (the VACE example's control
+# video); "text_encoder": LTXAVTextEncoderLoader's; "audio_encoder_name": AudioEncoderLoader's (Wan S2V)
 FILE_SUFFIXES = (".safetensors", ".sft", ".gguf", ".pt", ".pth", ".ckpt", ".bin", ".png", ".jpg", ".jpeg",
-                 ".webp", ".mp4", ".webm")
+                 ".webp", ".mp4", ".webm", ".mp3", ".wav", ".flac")
 _REQUIRES = re.compile(r"Needs ComfyUI (\d+(?:\.\d+)*) or newer", re.IGNORECASE)
 
 

@@ -12,6 +12,7 @@ from ..training.cache import reference_prompt
 from ..training.cache.clip_sound import ClipSound
 from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
+from ..training.cache.s2v_sound import S2VSound
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
 from ..training.cache.vace_control import VACE_CONTROL_MODES, VaceControl
@@ -57,25 +58,30 @@ class PipeTrainerCache(io.ComfyNode):
                                        "caches written in fp32 before still load."),
                 io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
                                tooltip="Image-to-video: first_frame as WanImageToVideo (Wan I2V), first_frame_alone "
-                                       "as HunyuanVideo15ImageToVideo (HunyuanVideo 1.5 I2V); none: text-to-video. "
+                                       "as HunyuanVideo15ImageToVideo / HunyuanImageToVideo (HunyuanVideo 1.5 / 1.0 "
+                                       "I2V); none: text-to-video. "
                                        "README: Cache."),
                 io.ClipVision.Input("clip_vision", optional=True,
-                                    tooltip="The CLIP vision model of the I2V workflow: clip_vision_h (Wan 2.1 I2V, "
-                                            "first_frame), sigclip_vision_patch14_384 (HunyuanVideo 1.5, "
-                                            "first_frame_alone); Wan 2.2 I2V takes none."),
+                                    tooltip="The I2V workflow's CLIP vision model: clip_vision_h (Wan 2.1 I2V), "
+                                            "sigclip_vision_patch14_384 (HunyuanVideo 1.5), llava_llama3_vision "
+                                            "(HunyuanVideo I2V: into the prompt). Wan 2.2 / SkyReels: none."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
                                tooltip="Edit datasets with an image-reading text encoder (Qwen-Image-Edit): "
                                        "encode each caption with its references as your text-encode node does "
                                        "(edit_plus / edit); auto picks. README: Cache."),
                 io.Combo.Input("vace_control", options=list(VACE_CONTROL_MODES), default="off", optional=True,
-                               tooltip="Wan 2.1 VACE: on caches each clip's control clip (and mask) from the "
-                                       "control folder as WanVaceToVideo builds it; a changed control re-encodes "
-                                       "its item only. off: other models."),
+                               tooltip="Wan 2.1 VACE: on caches each clip's controls (name.mp4, name.2.mp4..., "
+                                       "masks, name_ref.png) as WanVaceToVideo builds them; images train as "
+                                       "1-frame clips. off: other models."),
                 io.Vae.Input("audio_vae", optional=True,
-                             tooltip="LTX-2 only: the audio VAE from 'LTXV Audio VAE Loader'. Each clip's sound, "
-                                     "cut to the kept frames, is cached with it (silence for clips without "
+                             tooltip="LTX-2 ('LTXV Audio VAE Loader') or MiniMax-H3 ('Load VAE'): each clip's "
+                                     "sound, cut to the kept frames, is cached with it (silence for clips without "
                                      "sound). Needs no torchaudio."),
+                io.AudioEncoder.Input("audio_encoder", optional=True,
+                                      tooltip="Wan 2.2 S2V only: wav2vec2 from 'Load Audio Encoder'. Caches each "
+                                              "clip's sound (16 fps) as WanSoundImageToVideo gets it, and its first "
+                                              "frame as the reference image. README: Cache."),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -85,7 +91,7 @@ class PipeTrainerCache(io.ComfyNode):
     @classmethod
     def execute(cls, dataset, vae, clip, text_dtype: str = "bf16", start_image: str = NO_START_IMAGE,
                 clip_vision=None, reference_in_prompt: str = reference_prompt.AUTO,
-                vace_control: str = "off", audio_vae=None) -> io.NodeOutput:
+                vace_control: str = "off", audio_vae=None, audio_encoder=None) -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
@@ -93,16 +99,20 @@ class PipeTrainerCache(io.ComfyNode):
 
         # Refuse a text encoder the cache key cannot describe before preflight encodes with it.
         start = StartImage(start_image, clip_vision)
+        vace = VaceControl(vace_control, vae)
+        dataset = vace.dataset(dataset)  # on: an image-only control folder's plain names are VACE control images
         references = [(os.path.basename(e.path), len(e.references)) for e in dataset.entries]
         style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references)
-        vace = VaceControl(vace_control, vae)
-        problems = (start.problems() or vace.problems(dataset.entries, getattr(dataset, "flip", "none"))
-                    or prompt_problems or text_encoder_problems(clip)
+        s2v = S2VSound(audio_encoder)  # refuses an encoder that is not wav2vec2, naming the loader
+        sound = ClipSound(audio_vae)  # refuses a VAE that is no audio VAE it knows (LTX-2, MiniMax-H3), naming the loaders
+        flip = getattr(dataset, "flip", "none")
+        problems = (start.problems() or vace.problems(dataset.entries, flip)
+                    or s2v.problems(dataset.bucket_settings.fps, flip)
+                    or sound.problems(dataset.bucket_settings.fps) or prompt_problems or text_encoder_problems(clip)
                     or preflight.cache_problems(dataset, vae, clip, cache_root()))
         if problems:
             raise ValueError("\n".join(problems))
-        sound = ClipSound(audio_vae)  # refuses a VAE that is not an LTX-2 audio VAE, naming the loader
-        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style, vace, sound)
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style, vace, sound, s2v)
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

@@ -71,8 +71,8 @@ class PipeTrainerDataset(io.ComfyNode):
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
                                 tooltip="Edit models: reference images named like the training images (name.png, "
-                                        "name_1.png...). Wan VACE: control clips (name.mp4, optional name_mask). "
-                                        "Inside ComfyUI's input folder.", **advanced()),
+                                        "name_1.png...). Wan VACE: name.mp4 (name.2.mp4... more streams), "
+                                        "name_mask, name_ref.png. Inside ComfyUI's input folder.", **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Share of items trained on the empty caption, drawn per item and step "
                                        "(0.05-0.1 is usual; helps prompt-less use and CFG). 0 = off.", **advanced()),

@@ -1,4 +1,5 @@
-"""A backward pass for comfy_kitchen's fused RMSNorm + split-half RoPE op, so Cosmos Predict2 and Anima can train.
+"""A backward pass for comfy_kitchen's fused RMSNorm + split-half RoPE op, so Cosmos Predict2, Anima and MiniMax-H3
+can train (H3's attention calls the op when ``comfy.model_management.in_training`` is set).
 
 Current ComfyUI's Cosmos Predict2 attention (``comfy.ldm.cosmos.predict2.Attention.compute_qkv``) normalises and
 ropes its self-attention queries and keys with ``comfy.quant_ops.ck.rms_rope_split_half`` whether or not
@@ -14,7 +15,7 @@ makes the op nonlinear in ``q`` and ``k``, so both are kept for the backward (th
 one block at a time); the norm scales and the frequency table get their gradients too (a pipeline stage that receives the table
 from an earlier one gets a gradient for every tensor it was sent).
 
-Applied by :func:`enable_rms_rope_backward`, idempotent; the Cosmos Predict2 and Anima adapters call it when they
+Applied by :func:`enable_rms_rope_backward`, idempotent; the Cosmos Predict2, Anima and MiniMax-H3 adapters call it when they
 build their stage layers (in the ranks and in the tests alike). tests/test_comfy_kitchen_rms_rope_backward.py
 fails when comfy_kitchen registers a formula of its own (then this patch should go) or the op changes.
 """

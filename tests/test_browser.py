@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pipetrainer.devkit.workflow_ui import FILE_SUFFIXES
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ def _open_template(page, name: str) -> None:
     dialog.get_by_text(name, exact=True).first.click()
 
 
-USER_FILE = (".safetensors", ".gguf", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".png", ".jpg", ".jpeg", ".webp", ".mp4")
+USER_FILE = FILE_SUFFIXES  # model files, the user's own images, clips and sound: what a template leaves to the user
 
 
 def _graph_nodes(page) -> list[dict]:

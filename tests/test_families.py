@@ -66,7 +66,8 @@ def _example(row: Row, model, seed: int = 0):
     dm = model.diffusion_model
     context, pooled_dim = adapter.conditioning_dims(dm)
     g = torch.Generator().manual_seed(seed)
-    x0 = model.process_latent_in(torch.randn(1, *row.latent, generator=g))
+    raw = torch.randn(1, *row.latent, generator=g)
+    x0 = model.process_latent_in(raw)
     noise = torch.randn(x0.shape, generator=g)
     sigma = torch.tensor([0.7])
     cond = torch.randn(1, row.tokens, context, generator=g)
@@ -75,7 +76,7 @@ def _example(row: Row, model, seed: int = 0):
     noisy = model.model_sampling.noise_scaling(sigma.view(-1, *[1] * (x0.ndim - 1)), noise, x0)
     extras = row.extras(model, x0, g)
     assert set(extras) <= set(adapter.extras(dm)), sorted(extras)
-    x0, shapes = joined_streams(adapter, dm, x0, extras)
+    x0, shapes = joined_streams(adapter, model, raw, x0, extras)
     if shapes:  # the packed latent, noised as one (as ComfyUI's sampler and the trainer do)
         noise = torch.randn(x0.shape, generator=g)
         noised = noisy_input_and_target(model.model_sampling, x0, noise, sigma)

@@ -130,3 +130,15 @@ def test_qwen_image_edit_takes_three_references_like_text_encode_qwen_image_edit
     problems = checks.extra_problems(shapes, inputs.extras, "QwenImage")
     assert len(problems) == 1 and "'reference_3'" in problems[0] and "would ignore" in problems[0], problems
     assert "takes only reference_0, reference_1, reference_2" in problems[0]
+
+
+@pytest.mark.parametrize("row", ["WanVace", "WanS2V"])
+def test_expert_is_refused_on_the_single_model_wan_relatives(row, comfy_root, fixture_paths):
+    """Wan 2.1 VACE and Wan 2.2 S2V are one model for every noise level: an A14B expert range is refused by name."""
+    from pipetrainer.tests.family_rows import all_rows
+
+    (found,) = [r for r in all_rows() if r.name == row]
+    model = found.load(comfy_root, fixture_paths).model
+    (problem,) = checks.family_rule_problems(model, {"expert": "high_noise"}, TimestepSpec())
+    assert "expert 'high_noise'" in problem and "one model for every noise level" in problem, problem
+    assert checks.family_rule_problems(model, {}, TimestepSpec()) == []

@@ -35,7 +35,7 @@ def test_without_a_text_mask_and_in_a_batch_of_two_equals_comfyui(comfy_root, fi
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-6 * theirs.abs().max().item())
 
 
-def test_image_to_video_and_15_relatives_are_refused_by_name(comfy_root):
+def test_odd_channel_layouts_and_15_relatives_are_refused_by_name(comfy_root):
     import dataclasses
 
     from comfy.ldm.hunyuan_video.model import HunyuanVideo, HunyuanVideoParams
@@ -52,6 +52,7 @@ def test_image_to_video_and_15_relatives_are_refused_by_name(comfy_root):
         return adapter_for("HunyuanVideo").support_problems(dm)
 
     assert problems() == []
-    assert "image-to-video" in problems(in_channels=32)[0]
+    assert problems(in_channels=32) == problems(in_channels=33) == []  # SkyReels I2V, HunyuanVideoI2V
+    assert "concatenated input channels" in problems(in_channels=24)[0]
     assert "1.5" in problems(use_cond_type_embedding=True)[0]
     assert "MeanFlow" in problems(meanflow=True)[0]

@@ -27,10 +27,10 @@ WEIGHTS = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, torch.bf
 def real(request, comfy_root):
     """(diffusion model, layout, the engine's layer list) of the real config with bf16 or fp8 weights."""
     require_model_class("MiniMaxH3", "in ComfyUI v0.33")
-    from pipetrainer.training.pipelines.minimax_h3 import MiniMaxH3Layout
+    from pipetrainer.training.pipelines.minimax_h3 import MiniMaxH3Adapter
 
     dm = build_on_meta("MiniMaxH3", {"image_model": "minimax_h3"}, *WEIGHTS[request.param]).diffusion_model
-    layout = MiniMaxH3Layout()
+    layout = MiniMaxH3Adapter()
     return dm, layout, [None, *layout.stage_layers(dm)]
 
 

@@ -34,14 +34,15 @@ def _batch(row, model, g: torch.Generator):
     adapter = adapter_for(row.family)
     context, pooled_dim = adapter.conditioning_dims(model.diffusion_model)
     ms = model.model_sampling
-    x0 = model.process_latent_in(torch.randn(1, *row.latent, generator=g))
+    raw = torch.randn(1, *row.latent, generator=g)
+    x0 = model.process_latent_in(raw)
     sigmas = getattr(ms, "sigmas", None)
     sigma = sigmas[[min(300, len(sigmas) - 1)]].float() if sigmas is not None else torch.tensor([0.7])
     noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), sigma)
     cond = torch.randn(1, row.tokens, context, generator=g)
     pooled = torch.randn(1, pooled_dim, generator=g) if pooled_dim else None
     extras = row.extras(model, x0, g)
-    x0, shapes = joined_streams(adapter, model.diffusion_model, x0, extras)
+    x0, shapes = joined_streams(adapter, model, raw, x0, extras)
     if shapes:  # a model taking several latents as one (LTX-2): packed, noised as one
         noised = noisy_input_and_target(ms, x0, torch.randn(x0.shape, generator=g), sigma)
     batch = Batch(noised.network_input, noised.timestep, cond, pooled, extras=extras,

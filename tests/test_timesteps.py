@@ -50,6 +50,7 @@ FAMILY_SAMPLING = {
     "Chroma": ("Chroma", {"image_model": "chroma"}, "FLUX"),  # mu 1.15, as Flux
     "Wan": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v"}, "FLOW"),  # shift 8.0
     "WanVace": ("WAN21_Vace", {"image_model": "wan2.1", "model_type": "vace"}, "FLOW"),  # shift 8.0, as Wan 2.1
+    "WanS2V": ("WAN22_S2V", {"image_model": "wan2.1", "model_type": "s2v"}, "FLOW"),  # shift 8.0 (current ComfyUI only)
     "HunyuanVideo": ("HunyuanVideo", {"image_model": "hunyuan_video"}, "FLOW"),  # shift 7.0
     "HunyuanVideo15": ("HunyuanVideo15", {"image_model": "hunyuan_video", "vision_in_dim": 1152}, "FLOW"),  # shift 7.0
     "Lumina2": ("Lumina2", {"image_model": "lumina2"}, "FLOW"),  # shift 6.0 (Z-Image's config: 3.0)
@@ -58,6 +59,7 @@ FAMILY_SAMPLING = {
     "SD1/SD2": ("SD15", {"model_channels": 320}, "EPS"),  # the same 1000 steps (SD 2.x v too)
     "LTXV": ("LTXV", {"image_model": "ltxv"}, "FLUX"),  # mu 2.37
     "LTX2": ("LTXAV", {"image_model": "ltxav"}, "FLUX"),  # LTXV's mu 2.37 (current ComfyUI only)
+    "MiniMaxH3": ("MiniMaxH3", {"image_model": "minimax_h3"}, "FLOW_AV"),  # video shift 12, audio 3 (current only)
     "AuraFlow": ("AuraFlow", {"cond_seq_dim": 2048}, "FLOW"),  # shift 1.73
     "PixArt": ("PixArtSigma", {"image_model": "pixart_sigma"}, "EPS"),  # 1000 steps, sqrt_linear betas
     "Krea2": ("Krea2", {"image_model": "krea2"}, "FLUX"),  # mu 1.15 (current ComfyUI only)

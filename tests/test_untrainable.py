@@ -7,7 +7,6 @@ import pytest
 
 REFUSED = {  # ComfyUI model class -> a fragment of the reason its family module gives
     "HiDreamO1": "pixel-space",
-    "MiniMaxH3": "audio stream",
 }
 
 

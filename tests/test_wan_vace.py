@@ -167,13 +167,14 @@ def test_control_files_are_read_like_their_clip_and_encoded_by_the_node(comfy_ro
     from pipetrainer.training.cache.buckets import Bucket
     from pipetrainer.training.cache.media import load_video
     from pipetrainer.training.cache.vace_control import control_extras
+    from pipetrainer.training.data.dataset_controls import ControlSet
 
     vae = tiny_wan21_vae()
     bucket = Bucket(WIDTH, HEIGHT, LENGTH)
     control, mask = tmp_path / "clip.mp4", tmp_path / "clip_mask.mp4"
     _write_video(control, 12, 24, (64, 40), seed=1)  # another size and frame rate than the bucket's
     _write_video(mask, 12, 24, (64, 40), seed=2)
-    got = control_extras(vae, str(control), bucket, 16.0, str(mask))["vace_context"]
+    got = control_extras(vae, ControlSet(((str(control), str(mask)),)), bucket, 16.0)["vace_context"]
 
     pixels = load_video(str(control), bucket, 16.0)
     gray = load_video(str(mask), bucket, 16.0).mean(dim=-1)
@@ -185,13 +186,13 @@ def test_control_files_are_read_like_their_clip_and_encoded_by_the_node(comfy_ro
     theirs = model.extra_conds(noise=torch.zeros(1, 16, 2, 4, 6), device=torch.device("cpu"),
                                vace_frames=values["vace_frames"], vace_mask=values["vace_mask"])["vace_context"].cond
     assert torch.equal(got[None], theirs)
-    assert not torch.equal(got, control_extras(vae, str(control), bucket, 16.0)["vace_context"])  # the mask counts
+    assert not torch.equal(got, control_extras(vae, ControlSet(((str(control), None),)), bucket, 16.0)["vace_context"])  # the mask counts
 
     with pytest.raises(ValueError, match="at least as long as the training clip"):
-        control_extras(vae, str(control), Bucket(WIDTH, HEIGHT, 9), 8.0)  # 12 frames at 24 fps: 4 at 8 fps
+        control_extras(vae, ControlSet(((str(control), None),)), Bucket(WIDTH, HEIGHT, 9), 8.0)  # 12 frames at 24 fps: 4 at 8 fps
     still = tmp_path / "still.png"
     Image.new("RGB", (64, 40), (200, 10, 10)).save(still)
     with pytest.raises(ValueError, match="is an image, and its training clip has 5 frames"):
-        control_extras(vae, str(still), bucket, 16.0)
-    one = control_extras(vae, str(still), Bucket(WIDTH, HEIGHT, 1), 16.0, str(still))["vace_context"]
+        control_extras(vae, ControlSet(((str(still), None),)), bucket, 16.0)
+    one = control_extras(vae, ControlSet(((str(still), str(still)),)), Bucket(WIDTH, HEIGHT, 1), 16.0)["vace_context"]
     assert one.shape == (1, 96, 1, HEIGHT // 8, WIDTH // 8)

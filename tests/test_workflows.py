@@ -184,9 +184,11 @@ EXAMPLES = {
     "pipetrainer_wan22_i2v_high_noise": ("Wan", {"expert": "high_noise"}, {"start_image"}),
     "pipetrainer_wan22_ti2v": ("Wan", {"first_frame_clean": True}, set()),
     "pipetrainer_wan_vace": ("WanVace", {}, {"control_folder", "vace_control"}),
+    "pipetrainer_wan22_s2v": ("WanS2V", {}, {"audio_encoder"}),
     "pipetrainer_hunyuan_video": ("HunyuanVideo", {"guidance": 1.0}, set()),
     "pipetrainer_hunyuan_video15": ("HunyuanVideo15", {"guidance": 1.0}, set()),
     "pipetrainer_hunyuan_video15_i2v": ("HunyuanVideo15", {"guidance": 1.0}, {"start_image_alone", "clip_vision"}),
+    "pipetrainer_hunyuan_video_i2v": ("HunyuanVideo", {"guidance": 1.0}, {"start_image_alone", "clip_vision"}),
     "pipetrainer_ltxv": ("LTXV", {}, set()),
     "pipetrainer_krea2": ("Krea2", {}, set()),
     "pipetrainer_mage_flow": ("MageFlow", {}, set()),
@@ -198,6 +200,7 @@ EXAMPLES = {
     "pipetrainer_cosmos_predict2_t2i": ("CosmosPredict2", {}, set()),
     "pipetrainer_cosmos_predict2_i2v": ("CosmosPredict2", {"first_frame_clean": True}, set()),
     "pipetrainer_ltx2": ("LTX2", {}, {"audio_vae"}),
+    "pipetrainer_minimax_h3": ("MiniMaxH3", {}, {"audio_vae"}),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
@@ -256,6 +259,7 @@ def test_each_example_sets_its_family_options_and_data(api_file, object_info):
     assert (start == "first_frame_alone") == ("start_image_alone" in needs)
     assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
     assert isinstance(cache["inputs"].get("audio_vae"), list) == ("audio_vae" in needs)
+    assert isinstance(cache["inputs"].get("audio_encoder"), list) == ("audio_encoder" in needs)
     assert (cache["inputs"].get("vace_control", "off") == "on") == ("vace_control" in needs)
 
 

@@ -95,15 +95,16 @@ def cache_items(row, model, folder: Path, count: int = 2) -> list:
     return items
 
 
-def joined_streams(adapter, dm, x0: torch.Tensor, extras: dict) -> tuple[torch.Tensor, tuple]:
-    """``(x0, ())``, or for a family whose model takes several latents as one (``ExtraSpec.joins_latent``:
-    LTX-2's audio) ``x0`` packed with those extras as the trainer packs them, and the streams' shapes."""
+def joined_streams(adapter, model, raw: torch.Tensor, x0: torch.Tensor, extras: dict) -> tuple[torch.Tensor, tuple]:
+    """``(x0, ())`` (``x0``: the processed ``raw``), or for a family whose model takes several latents as one
+    (``ExtraSpec.joins_latent``: LTX-2's and MiniMax-H3's audio) ``raw`` packed with those extras and processed as the
+    trainer does it, and the streams' shapes."""
     from pipetrainer.training.data.joint_latent import join_latent, joined_names
 
-    names = joined_names(adapter.extras(dm))
+    names = joined_names(adapter.extras(model.diffusion_model))
     if not names:
         return x0, ()
-    return join_latent(x0, [extras[n] for n in names])
+    return join_latent(model, raw, [extras[n] for n in names])
 
 
 def require_model_class(name: str, added: str = "after ComfyUI 0.3.75") -> None:

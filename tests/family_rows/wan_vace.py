@@ -4,9 +4,11 @@ block 0 and block 1 after main block 2, so a plain main block sits between and a
 split can cut while the control tokens are still carried. ``vace_in_dim`` 96 as the releases (32 latent
 channels of the inactive and reactive control video, 64 of the folded mask).
 
-The control conditioning is ComfyUI's: ``WAN21_Vace.extra_conds`` of seeded raw control latents and a
-seeded soft mask (what ``WanVaceToVideo`` hands it) gives ``vace_context``, the row's extra as the cache
-stores it; ComfyUI's ``apply_model`` gets that ``vace_context`` and ``vace_strength`` [1.0]. How the
+The control conditioning is ComfyUI's: ``WAN21_Vace.extra_conds`` of two streams of seeded raw control
+latents and seeded soft masks (what two chained ``WanVaceToVideo`` nodes hand it) gives ``vace_context``
+``[B, 2, 96, F, H, W]``, the row's extra as the cache stores it; ComfyUI's ``apply_model`` gets that
+``vace_context`` and ``vace_strength`` [1.0, 1.0]. Two streams, so the generic checks (LoRA gradients, stage
+split) cover the ``[N * B, L, dim]`` control tokens crossing a stage boundary. How the
 control clip becomes those latents and that mask is checked against ``WanVaceToVideo`` itself in
 tests/test_wan_vace.py.
 """
@@ -34,26 +36,29 @@ def wan_vace_small(seed: int = 61):
     return from_config(comfy.supported_models.WAN21_Vace, unet, seed=seed)
 
 
-def vace_context(model, frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, 96, F, H, W]``: ``WAN21_Vace.extra_conds``' vace_context of one control video's raw latents
-    (``[B, 32, F, H, W]``, inactive then reactive) and folded mask (``[B, 64, F, H, W]``)."""
-    conds = model.extra_conds(noise=torch.zeros(frames.shape[0], 16, *frames.shape[2:]), device=torch.device("cpu"),
-                              vace_frames=[frames], vace_mask=[mask])
+STREAMS = 2  # control streams, as two chained WanVaceToVideo nodes give
+
+
+def vace_context(model, frames: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, N, 96, F, H, W]``: ``WAN21_Vace.extra_conds``' vace_context of N control videos' raw latents
+    (each ``[B, 32, F, H, W]``, inactive then reactive) and folded masks (each ``[B, 64, F, H, W]``)."""
+    conds = model.extra_conds(noise=torch.zeros(frames[0].shape[0], 16, *frames[0].shape[2:]),
+                              device=torch.device("cpu"), vace_frames=frames, vace_mask=masks)
     return conds["vace_context"].cond
 
 
 def _extras(model, x0, g):
-    frames = torch.randn(x0.shape[0], 32, *x0.shape[2:], generator=g)
-    mask = torch.rand(x0.shape[0], 64, *x0.shape[2:], generator=g)
-    return {"vace_context": vace_context(model, frames, mask)}
+    frames = [torch.randn(x0.shape[0], 32, *x0.shape[2:], generator=g) for _ in range(STREAMS)]
+    masks = [torch.rand(x0.shape[0], 64, *x0.shape[2:], generator=g) for _ in range(STREAMS)]
+    return {"vace_context": vace_context(model, frames, masks)}
 
 
 def _kwargs(cond, pooled, options, extras):
-    return {"vace_context": extras["vace_context"], "vace_strength": [1.0]}
+    return {"vace_context": extras["vace_context"], "vace_strength": [1.0] * extras["vace_context"].shape[1]}
 
 
 ROWS = [
     Row("WanVace", "ComfyUI's WAN21_Vace config class, width 64 (detection pins text 4096), in memory; 4 main + "
-        "2 VACE blocks, a seeded control stream", load=lambda comfy_root, fixture_paths: wan_vace_small(),
+        "2 VACE blocks, two seeded control streams", load=lambda comfy_root, fixture_paths: wan_vace_small(),
         latent=LATENT, tokens=5, extras=_extras, comfy_kwargs=_kwargs),
 ]

@@ -79,10 +79,13 @@ def nearest_bucket(width: int, height: int, buckets: tuple[Bucket, ...]) -> Buck
     return min(buckets, key=lambda b: (abs(b.log_ratio - target), b.width))
 
 
-def frame_bucket(available: int, max_frames: int, step: int = 4) -> int:
+def frame_bucket(available: int, max_frames: int, step: int = 4, usable=None) -> int:
     """Largest frame count of the form 1 or ``step``·k+1 that fits both the clip and ``max_frames``
-    (``step``: the VAE's temporal compression, 4 for Wan/HunyuanVideo, 8 for LTX-Video, 1 for image VAEs)."""
+    (``step``: the VAE's temporal compression, 4 for Wan/HunyuanVideo, 8 for LTX-Video, 1 for image VAEs), or
+    ``usable(n)`` of that bound for a VAE with another rule (encoders.py ``vae_usable_frames``: MiniMax-H3's 17k+5)."""
     n = max(1, min(available, max_frames))
+    if usable is not None:
+        return usable(n)
     return (n - 1) // step * step + 1
 
 

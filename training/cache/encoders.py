@@ -246,6 +246,29 @@ def vae_frame_step(vae) -> int:
     return int(formula[0]) if isinstance(formula, (tuple, list)) else IMAGE_VAE_FRAME_STEP
 
 
+def vae_usable_frames(vae, probe_up_to: int = 256):
+    """The most frames ``<= n`` a video VAE encodes whole, as a function of ``n``, where its own rule is not
+    :func:`vae_frame_step`'s ``1 or step*k+1`` (None: that rule holds).
+
+    ComfyUI records a video VAE's temporal rule as the functions ``downscale_ratio[0]`` (pixel frames to latent
+    frames) and ``upscale_ratio[0]`` (back); ``upscale(downscale(n))`` is then the most frames up to ``n`` that the
+    latent covers. For Wan, HunyuanVideo and LTX-Video that is the step rule; MiniMax-H3's VAE takes 17k + 5
+    frames (5k + 2 latent frames) while its index formula says 4, so a step-rule clip would train on frames
+    its latent does not hold."""
+    down = getattr(vae, "downscale_ratio", None)
+    up = getattr(vae, "upscale_ratio", None)
+    if not (isinstance(down, (tuple, list)) and isinstance(up, (tuple, list)) and callable(down[0]) and callable(up[0])):
+        return None
+    step = vae_frame_step(vae)
+
+    def usable(n: int) -> int:
+        return max(1, int(up[0](down[0](n))))
+
+    if all(usable(n) == (n - 1) // step * step + 1 for n in range(1, probe_up_to + 1)):
+        return None
+    return usable
+
+
 class ComfyEncoders:
     """ComfyUI's ``VAE`` and ``CLIP`` objects behind :class:`Encoders`; identities computed once."""
 
@@ -254,6 +277,7 @@ class ComfyEncoders:
         self.clip = clip
         self._ids: dict[str, object] = {}
         self.frame_step = vae_frame_step(vae)  # clips are cut to 1 or frame_step*k+1 frames
+        self.usable_frames = vae_usable_frames(vae)  # ... or by the VAE's own rule where it differs (MiniMax-H3)
         self.prep_extras = cache_extras(clip)  # what the text encoder's family computes per item (SDXL's size/crop)
 
     def latent_identity(self) -> str:

@@ -61,6 +61,7 @@ _CHANGE_NAMES = {
     "flip": "flip variant changed",
     "mask": "loss mask changed",
     "vace": "VACE control changed",  # vace_control.py: control and mask digests, encode identity
+    "s2v": "S2V sound changed",  # s2v_sound.py: the track, its preprocessing and the audio encoder
     "caption": "caption changed",
     "encoder": "text encoder changed",
     "stored": "stored text dtype changed",

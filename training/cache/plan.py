@@ -114,19 +114,33 @@ class LatentLayout:
     latents: int  # latents of the item's pixels: its own, and the mirrored one with flip
     references: int  # single-frame image latents, one per reference image
     mask_channels: int  # the loss mask: one channel on the latent grid, for a clip too
-    control_channels: int = 0  # VACE vace_context per latent frame: 2 latents and the 64-channel folded mask
+    control_channels: int = 0  # VACE vace_context per latent frame: 2 latents and the 64-channel folded mask, per stream
+    reference_frames: int = 0  # a VACE reference image: one more latent and control frame, a per-frame loss mask
 
     def elements(self, channels: int, frames: int, cells: int) -> int:
         """Elements of the entry for a latent of ``channels`` x ``frames`` over ``cells`` grid cells."""
         per_frame = channels * self.latents + self.control_channels
-        return (per_frame * frames + channels * self.references + self.mask_channels) * cells
+        grown = frames + self.reference_frames
+        mask = grown if self.reference_frames else self.mask_channels
+        return (per_frame * grown + channels * self.references + mask) * cells
 
 
 def latent_layout(entry: ImageEntry, flip: str, mask: str) -> LatentLayout:
     """The latent entry of ``entry`` under the Dataset node's flip and mask options."""
     return LatentLayout(latents=2 if caches_flip(flip) else 1, references=len(getattr(entry, "references", ())),
                         mask_channels=1 if caches_mask(mask) else 0,
-                        control_channels=VACE_CONTEXT_CHANNELS if getattr(entry, "controls", ()) else 0)
+                        **_control_layout(entry))
+
+
+def _control_layout(entry: ImageEntry) -> dict[str, int]:
+    """The VACE part of the layout: one context per control stream, and the reference frame (vace_control.py)."""
+    if not getattr(entry, "controls", ()):
+        return {}
+    from ..data.dataset_controls import control_set
+
+    controls = control_set(entry.path, entry.controls)
+    return {"control_channels": VACE_CONTEXT_CHANNELS * len(controls.streams),
+            "reference_frames": 1 if controls.reference else 0}
 
 
 # ---- the plan of one item ----------------------------------------------------------------------

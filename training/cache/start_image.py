@@ -33,7 +33,7 @@ from .encoders import _unpatched_weights, weights_fingerprint
 
 START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone")
 NO_START_IMAGE = "none"
-FIRST_FRAME_ALONE = "first_frame_alone"  # HunyuanVideo 1.5 (HunyuanVideo15ImageToVideo)
+FIRST_FRAME_ALONE = "first_frame_alone"  # HunyuanVideo 1.5 and 1.0 I2V (HunyuanVideo15ImageToVideo, ...)
 CONCAT_LATENT = "concat_latent"  # the extra names the Wan family reads (training/pipelines/wan.py)
 CLIP_FEA = "clip_fea"
 CONCAT_LATENT_ALONE = "concat_latent_alone"  # the HunyuanVideo 1.5 family's (training/pipelines/hunyuan_video15.py)
@@ -103,7 +103,7 @@ class StartImage:
         if self.clip_vision is not None and not self.active:
             return ["A CLIP vision model is connected to 'Cache Latents & Text' but start_image is none, so it would "
                     "not be used: set start_image to first_frame (Wan image-to-video training) or first_frame_alone "
-                    "(HunyuanVideo 1.5), or disconnect it."]
+                    "(HunyuanVideo 1.5 and HunyuanVideo I2V), or disconnect it."]
         return []
 
     def identity(self) -> dict | None:

@@ -59,8 +59,10 @@ from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, key
 from .prep_extras import extras_signature, item_crop, make_extras
 from .reference_prompt import PromptStyle, load_reference
 from .report import CacheReport
+from .s2v_sound import S2VSound
 from .shards import ShardWriter, checksum, pack
 from .start_image import StartImage
+from .start_image_prompt import start_image_prompt_for
 from .vace_control import VaceControl
 
 CROP_NOTE_THRESHOLD = 0.25  # report items losing more than this share of their area to the crop
@@ -81,26 +83,29 @@ class CacheResult:
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
                 text_dtype: str = "fp32", start_image: StartImage | None = None,
                 reference_prompt: PromptStyle | None = None, vace: VaceControl | None = None,
-                sound: ClipSound | None = None) -> CacheResult:
+                sound: ClipSound | None = None, s2v: S2VSound | None = None) -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
     return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image,
-                      reference_prompt, vace, sound)
+                      reference_prompt, vace, sound, s2v)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
                progress: Progress | None = None, text_dtype: str = "fp32",
                start_image: StartImage | None = None, reference_prompt: PromptStyle | None = None,
-               vace: VaceControl | None = None, sound: ClipSound | None = None) -> CacheResult:
+               vace: VaceControl | None = None, sound: ClipSound | None = None,
+               s2v: S2VSound | None = None) -> CacheResult:
     """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
 
     ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype.
     ``start_image``: image-to-video start-image conditioning to cache with each latent (none by default).
     ``reference_prompt``: encode each caption of an item with references together with its reference
     images, in that style (reference_prompt.py; ``None``: captions alone). ``vace``: each item's VACE control
-    conditioning (vace_control.py; off by default). ``sound``: each clip's audio latent (clip_sound.py; off by default)."""
+    conditioning (vace_control.py; off by default). ``sound``: each clip's audio latent (clip_sound.py; off by default).
+    ``s2v``: each clip's Wan S2V audio features and reference latent (s2v_sound.py; off by default)."""
     start = time.monotonic()
     filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image, reference_prompt)
     filler.vace, filler.sound = vace or VaceControl(), sound or ClipSound()
+    filler.s2v = s2v or S2VSound()
     try:
         result = filler.run()
     finally:
@@ -125,12 +130,15 @@ class _Filler:
         self.reference_prompt = reference_prompt
         self.prompt_sig = prompt_signature(reference_prompt.identity() if reference_prompt else None)
         self.start_image = start_image or StartImage()
+        # HunyuanVideoI2V: the CLIP vision model goes into each caption's prompt, not the latent entry
+        self.start_prompt, self.start_image = start_image_prompt_for(self.start_image, getattr(encoders, "clip", None))
         self.text_dtype = text_dtype
         self.dataset = dataset
         self.settings = dataset.bucket_settings
         self.encoders = encoders
         # The VAE's temporal rule (ComfyEncoders.frame_step); encoders without one keep 4k+1.
         self.frame_step = int(getattr(encoders, "frame_step", IMAGE_VAE_FRAME_STEP))
+        self.usable_frames = getattr(encoders, "usable_frames", None)  # a VAE whose rule is no step rule
         self.progress = progress
         self.index = CacheIndex(root)
         self.writer = ShardWriter(root / "shards", self.index.shard_end)
@@ -208,7 +216,8 @@ class _Filler:
             if problem:
                 raise ValueError(problem)
         vace = self.vace.key_part(entry, lambda path: self.source(ImageEntry(path, ""), known)[0])
-        return variants_signature({**latent_variants(d.flip, d.mask, digest), **vace, **self.sound.key_part(entry)})
+        return variants_signature({**latent_variants(d.flip, d.mask, digest), **vace, **self.sound.key_part(entry),
+                                                   **self.s2v.key_part(entry)})
 
     def plan(self) -> list[ItemPlan]:
         s = self.settings
@@ -256,7 +265,8 @@ class _Filler:
             video = entry.is_video
             for i, res in enumerate(s.resolutions):
                 spatial = nearest_bucket(probe.width, probe.height, plan.by_resolution[res])
-                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames, self.frame_step) if video else 1
+                frames = frame_bucket(probe.frames_at(s.fps), s.max_frames, self.frame_step,
+                                      self.usable_frames) if video else 1
                 bucket = Bucket(spatial.width, spatial.height, frames)
                 lost = crop_fraction(probe.width, probe.height, bucket)
                 if lost > CROP_NOTE_THRESHOLD:
@@ -275,18 +285,24 @@ class _Filler:
                         prep["extras"] = extras_signature(self.prep_extras)
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
+                if self.start_prompt is not None:  # the start image at this bucket is in the prompt
+                    texts = self.start_prompt.keyed(caption_texts(self.dataset.captions, entry.caption), text_sig,
+                                                    self.text_dtype, (digest, sig))
+                    tkey = texts[0][0]
                 out.append(ItemPlan(entry, i, bucket, digest, prep,
                                     latent_key(digest, sig, vae_id, ref_digests, start_sig, variants_sig), tkey,
                                     ref_digests, texts, variants_sig=variants_sig))
-        silent = self.sound.note()
-        if silent:
-            self.report.notes.append(silent)
+        for silent in (self.sound.note(), self.s2v.note()):
+            if silent:
+                self.report.notes.append(silent)
         return out
 
     def empty_caption_plans(self, planned: list[ItemPlan]) -> list[ItemPlan | None]:
         """With caption dropout, the plan of each item's empty-caption entry (plan.py; None without)."""
-        return empty_caption_plans(planned, self.dataset.captions, self.dataset.folder,
-                                   encoder_signature(self.encoders.text_identity()), self.text_dtype, self.prompt_sig)
+        text_sig = encoder_signature(self.encoders.text_identity())
+        plans = empty_caption_plans(planned, self.dataset.captions, self.dataset.folder, text_sig, self.text_dtype,
+                                    self.prompt_sig)
+        return self.start_prompt.empty_plans(planned, plans, text_sig, self.text_dtype) if self.start_prompt else plans
 
     def components(self, p: ItemPlan, kind: str) -> dict:
         """The named inputs behind ``p``'s key of ``kind`` (built only when a slot changed)."""
@@ -294,6 +310,8 @@ class _Filler:
             return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references,
                                      self.start_image.identity(), json.loads(p.variants_sig or "{}"))
         prompted = (self.reference_prompt.identity(), p.references) if self.prompt_sig and p.references else ()
+        if self.start_prompt is not None:
+            prompted = (self.start_prompt.identity(), self.start_prompt.image_of(p))
         return text_components(p.text, self.encoders.text_identity(), self.text_dtype, *prompted)
 
     # ---- phase 3: encode --------------------------------------------------------------------
@@ -310,8 +328,9 @@ class _Filler:
             tensors.update(self._encode_references(planned))
             tensors.update(self._prep_extras_of(planned))
             tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
-            tensors.update(self.vace.encode(planned.entry, b, self.settings.fps))
+            tensors.update(self.vace.encode(planned.entry, b, self.settings.fps, tensors))
             tensors.update(self.sound.encode(planned.entry, b, self.settings.fps))
+            tensors.update(self.s2v.encode(planned.entry, b, self.settings.fps, pixels, self.encoders.encode_latent))
         else:
             tensors = stored_text(self._encode_caption(planned), self.text_dtype)
         data = pack(tensors)
@@ -321,7 +340,10 @@ class _Filler:
         self.index.put_entry(key, Entry(shard, offset, len(data), checksum(data), shapes), st.st_size, st.st_mtime_ns)
 
     def _encode_caption(self, planned: ItemPlan) -> dict[str, object]:
-        """The plan's text alone, or with its item's reference images in the prompt (reference_prompt.py)."""
+        """The plan's text alone, or with its item's reference images (reference_prompt.py) or start image
+        (start_image_prompt.py) in the prompt."""
+        if self.start_prompt is not None:
+            return self.start_prompt.encode_item(self.encoders.clip, planned, self.settings.fps)
         if not (self.prompt_sig and planned.references):
             return self.encoders.encode_text(planned.text)
         images = [load_reference(path) for path in planned.entry.references]

@@ -16,27 +16,45 @@ read: the same bucket (resize to cover, center crop), frame rate and frame count
 frame k lines up with training frame k. A control clip shorter than its item's frame bucket is refused
 (the loader would repeat its last frame, and ``WanVaceToVideo`` pads gray instead).
 
-``WanVaceToVideo``'s reference image (a latent frame in front of the video, trimmed after sampling) is
-not built here: training would need the same extra frame in front of the training latent.
+Several control streams (``clip.mp4``, ``clip.2.mp4``...: dataset_controls.py) are built as chained
+``WanVaceToVideo`` nodes build them: each node appends its ``vace_frames`` / ``vace_mask`` / ``vace_strength``
+to the conditioning's lists and ``extra_conds`` stacks them along N, so the cache stores ``[N, 96, f, h, w]``
+in chain order.
 
-A still mask (an image) is the mask of every frame of its clip. The Dataset node pairs each clip with its
-control (and mask) from the control folder (training/data/dataset_controls.py); the Cache node's
-``vace_control`` option (:class:`VaceControl`) calls :func:`control_extras` per item and puts the control and
-mask content digests with this encode's identity into the latent key (as a ``vace`` component beside the
-flip and mask variants), so a changed control clip re-encodes only its item. Without it the WanVace family
+A reference image (``clip_ref.png``) goes to every node of the chain as ``reference_image`` (the streams must
+keep one frame count to be stacked). The node encodes it as one latent frame in front of each stream (its
+reactive half ``process_out(0)``, i.e. 0 after ``extra_conds``, and mask 0 there) and makes the latent one
+frame longer, which ``TrimVideoLatent`` cuts after sampling. The training latent gets that frame in front
+too: the node's own VAE latent of the reference (mask 0 is VACE's "keep this content", so the model's
+trajectory there is the reference's, which is what noising it gives), and a loss mask that is 0 on it, since
+ComfyUI trims the frame: the model never has to deliver it as data (:func:`with_reference_frame`).
+
+A still mask (an image) is the mask of every frame of its clip. An image item (a 1-frame clip) takes a
+control image: ``WanVaceToVideo`` with length 1 gives its 1-frame conditioning (an image-only folder of plain
+``name.png`` controls, which the Dataset node cannot tell from edit references, is read as VACE controls by
+:meth:`VaceControl.dataset`).
+
+The Dataset node pairs each clip with its controls from the control folder
+(training/data/dataset_controls.py); the Cache node's ``vace_control`` option (:class:`VaceControl`) calls
+:func:`control_extras` per item and puts the content digests of every control, mask and reference with this
+encode's identity into the latent key (as a ``vace`` component beside the flip and mask variants), so a
+changed control or reference re-encodes only its item. Without it the WanVace family
 refuses the cache (training/pipelines/wan_vace.py).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ..data.dataset import VIDEO_EXTENSIONS
+from ..data.dataset_controls import ControlSet, control_set
 from ..data.media_probe import probe_video
 from .buckets import Bucket
+from .masks import LOSS_MASK
 from .media import fit_pixels, load_image, load_video
 
 VACE_CONTEXT = "vace_context"  # the extra name the Wan VACE family reads
@@ -58,33 +76,65 @@ def control_problems(pixels: torch.Tensor, mask: torch.Tensor | None) -> list[st
     return out
 
 
-def vace_conditioning(vae, pixels: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vace_frames [1, 32, f, h, w], vace_mask [1, 64, f, h, w])``: what ``WanVaceToVideo`` (strength 1, no
-    reference image) puts into the conditioning for the bucket-sized control clip ``pixels`` (``[F, H, W, C]``,
-    0..1) and optional ``mask`` (``[F, H, W]``, 1 = reactive; none = all reactive, as the node)."""
+Stream = tuple[torch.Tensor, "torch.Tensor | None"]  # a control clip [F, H, W, C] and its mask [F, H, W] or None
+
+
+def vace_conditioning(vae, streams: list[Stream], reference: torch.Tensor | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(vace_frames, vace_mask)``, one ``[1, 32, f, h, w]`` / ``[1, 64, f, h, w]`` per stream: what chained
+    ``WanVaceToVideo`` nodes (strength 1) put into the conditioning for the bucket-sized control clips
+    (``[F, H, W, C]``, 0..1) and optional masks (``[F, H, W]``, 1 = reactive; none = all reactive, as the node),
+    each node given the bucket-sized ``reference`` image (``[1, H, W, C]``; ``f`` then counts its frame)."""
     from comfy_extras.nodes_wan import WanVaceToVideo
 
-    problems = control_problems(pixels, mask)
-    if problems:
-        raise ValueError(" ".join(problems))
-    frames, height, width = (int(s) for s in pixels.shape[:3])
-    carrier = [[torch.zeros(1, 1, 1), {}]]  # a conditioning the node adds its values to
-    out = WanVaceToVideo.execute(carrier, [], vae, width, height, frames, 1, 1.0, control_video=pixels,
-                                 control_masks=mask)
-    positive = (out.result if hasattr(out, "result") else out)[0]
-    values = positive[0][1]
-    return values["vace_frames"][0].to(torch.float32), values["vace_mask"][0].to(torch.float32)
+    carrier = [[torch.zeros(1, 1, 1), {}]]  # a conditioning the nodes add their values to
+    for pixels, mask in streams:
+        problems = control_problems(pixels, mask)
+        if problems:
+            raise ValueError(" ".join(problems))
+        frames, height, width = (int(s) for s in pixels.shape[:3])
+        out = WanVaceToVideo.execute(carrier, [], vae, width, height, frames, 1, 1.0, control_video=pixels,
+                                     control_masks=mask, reference_image=reference)
+        carrier = (out.result if hasattr(out, "result") else out)[0]
+    values = carrier[0][1]
+    return ([v.to(torch.float32) for v in values["vace_frames"]], [m.to(torch.float32) for m in values["vace_mask"]])
 
 
-def vace_context(vae, pixels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``[1, 96, f, h, w]``: one control stream of ``WAN21_Vace.extra_conds``' ``vace_context`` (frames through
-    the Wan 2.1 ``process_latent_in``, then the folded mask), float32 on the CPU, for the cache."""
+def processed_context(frames: torch.Tensor, folded: torch.Tensor) -> torch.Tensor:
+    """``[1, 96, f, h, w]``: one stream of ``WAN21_Vace.extra_conds``' ``vace_context`` (each 16-channel latent
+    through the Wan 2.1 ``process_latent_in``, then the folded mask), float32 on the CPU."""
     import comfy.latent_formats
 
-    frames, folded = vace_conditioning(vae, pixels, mask)
     fmt = comfy.latent_formats.Wan21()
     latents = [fmt.process_in(frames[:, i:i + LATENT_CHANNELS]) for i in range(0, frames.shape[1], LATENT_CHANNELS)]
     return torch.cat([*latents, folded], dim=1).cpu().contiguous()
+
+
+def vace_context(vae, pixels: torch.Tensor, mask: torch.Tensor | None = None,
+                 reference: torch.Tensor | None = None) -> torch.Tensor:
+    """``[1, 96, f, h, w]``: the cached ``vace_context`` of one control stream (see :func:`stream_contexts`)."""
+    return stream_contexts(vae, [(pixels, mask)], reference)
+
+
+def stream_contexts(vae, streams: list[Stream], reference: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, 96, f, h, w]``: ``vace_context`` of ``streams`` as the cache stores it (the trainer stacks items
+    to ``[B, N, ...]``, the layout of ``extra_conds``), float32 on the CPU."""
+    frames, folded = vace_conditioning(vae, streams, reference)
+    return torch.cat([processed_context(f, m) for f, m in zip(frames, folded, strict=True)], dim=0)
+
+
+def with_reference_frame(latent: torch.Tensor, reference: torch.Tensor, loss_mask: torch.Tensor | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """The item's raw training latent ``[C, F, h, w]`` with the ``reference`` frame (``[1, C, 1, h, w]``, the
+    node's own raw VAE latent of the reference image: ``vace_frames``' first 16 channels at frame 0) in front,
+    as the sampler's latent has it, and its loss mask ``[F + 1, h, w]``: 0 on the reference frame (trimmed
+    after sampling), else the item's spatial ``loss_mask`` (``[1, h, w]``) or 1."""
+    frames = latent if latent.ndim == 4 else latent.unsqueeze(1)  # an image item: its one frame
+    grown = torch.cat([reference[0].to(frames.dtype), frames], dim=1).contiguous()
+    spatial = torch.ones(1, *grown.shape[-2:]) if loss_mask is None else loss_mask.float().reshape(1, *grown.shape[-2:])
+    weight = spatial.expand(grown.shape[1], -1, -1).clone()
+    weight[0] = 0.0
+    return {"latent": grown, "loss_mask": weight}
 
 
 def _is_video(path: str) -> bool:
@@ -122,11 +172,31 @@ def load_control_mask(path: str, bucket: Bucket, fps: float) -> torch.Tensor:
     return still[None].repeat(bucket.frames, 1, 1)
 
 
-def control_extras(vae, control: str, bucket: Bucket, fps: float, mask: str | None = None) -> dict[str, torch.Tensor]:
-    """The cache extras of one item: ``{vace_context: [1, 96, f, h, w]}`` from its control clip and mask files."""
-    pixels = load_control(control, bucket, fps)
-    folded = load_control_mask(mask, bucket, fps) if mask else None
-    return {VACE_CONTEXT: vace_context(vae, pixels, folded)}
+def load_reference(path: str, bucket: Bucket) -> torch.Tensor:
+    """``[1, H, W, 3]``: a reference image read like an image item at the clip's bucket (resize to cover, center
+    crop), so ``WanVaceToVideo``'s own resize to that size is the identity."""
+    if _is_video(path):
+        raise ValueError(f"The VACE reference {os.path.basename(path)} is a video: WanVaceToVideo takes one "
+                         "reference image; save it as name_ref.png.")
+    return load_image(path, Bucket(bucket.width, bucket.height))
+
+
+def control_extras(vae, controls: ControlSet, bucket: Bucket, fps: float, latent: torch.Tensor | None = None,
+                   loss_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The cache tensors of one item: ``{vace_context: [N, 96, f, h, w]}`` from its control clips and masks
+    (stream by stream, as chained nodes); with a reference image also its training ``latent`` with the
+    reference frame in front and the ``loss_mask`` that leaves that frame out (:func:`with_reference_frame`;
+    ``loss_mask`` is the item's own spatial one, if any)."""
+    streams = [(load_control(c, bucket, fps), load_control_mask(m, bucket, fps) if m else None)
+               for c, m in controls.streams]
+    reference = load_reference(controls.reference, bucket) if controls.reference else None
+    frames, folded = vace_conditioning(vae, streams, reference)
+    out = {VACE_CONTEXT: torch.cat([processed_context(f, m) for f, m in zip(frames, folded, strict=True)], dim=0)}
+    if reference is not None:
+        if latent is None:
+            raise ValueError("a VACE reference image needs the item's latent to put its frame in front of")
+        out.update(with_reference_frame(latent, frames[0][:, :LATENT_CHANNELS, :1], loss_mask))
+    return out
 
 
 VACE_CONTROL_MODES = ("off", "on")
@@ -134,6 +204,7 @@ VACE_CONTROL_MODES = ("off", "on")
 # files: bump "v" when the reading or the extra_conds step above changes.
 _IDENTITY = {"node": "WanVaceToVideo", "strength": 1.0, "format": "Wan21", "mask": "gray-mean, still repeated",
              "v": 1}
+_REFERENCE_IDENTITY = "latent frame in front, loss 0 there"  # with_reference_frame; change it when that does
 
 
 class VaceControl:
@@ -160,12 +231,18 @@ class VaceControl:
                         "2.1 VACE training), or clear the Dataset's control_folder."]
             return []
         without = [os.path.basename(e.path) for e in entries if not getattr(e, "controls", ())]
+        numbered = [os.path.basename(e.path) for e in entries if len(getattr(e, "references", ())) > 1]
         out = []
+        if numbered:
+            out.append(f"vace_control is on and {len(numbered)} item(s) have numbered edit references (name_1.png...): "
+                       f"{', '.join(numbered[:20])}. A VACE image's controls are name.png, name.2.png... (streams), "
+                       "name_mask.png and name_ref.png: rename them, or set vace_control off for an edit model.")
+            without = [w for w in without if w not in numbered]
         if without:
             out.append(f"vace_control is on and {len(without)} item(s) have no VACE control clip: "
                        f"{', '.join(without[:20])}{' and more' if len(without) > 20 else ''}. Give the Dataset node "
-                       "a control_folder with a control video per clip (name.mp4, optional name_mask.mp4 or .png) "
-                       "and at least one video in the dataset, or set vace_control off.")
+                       "a control_folder with a control video (or image, for an image) per item (name.mp4, optional "
+                       "name_mask.mp4 or .png, name_ref.png), or set vace_control off.")
         if flip != "none":
             out.append("flip cannot be combined with VACE control (the control clip would need the same mirror): "
                        "set the Dataset's flip to 'none'.")
@@ -180,7 +257,13 @@ class VaceControl:
         if not entry.controls:
             raise ValueError("has no VACE control clip (the Dataset node's control folder pairs none with it)")
         part = dict(_IDENTITY)
-        for role, path in zip(("control", "mask"), entry.controls, strict=False):
+        controls = control_set(entry.path, entry.controls)
+        roles = [(f"{role}{'' if k == 1 else f'.{k}'}", path) for k, stream in enumerate(controls.streams, 1)
+                 for role, path in zip(("control", "mask"), stream, strict=True) if path]
+        if controls.reference:
+            roles.append(("reference", controls.reference))
+            part["reference_frame"] = _REFERENCE_IDENTITY
+        for role, path in roles:
             try:
                 part[role] = digest_of(path)
             except Exception as exc:  # noqa: BLE001 - reported by the caller as this item's skip reason
@@ -188,9 +271,22 @@ class VaceControl:
                                  f"({type(exc).__name__}: {exc})") from exc
         return {"vace": part}
 
-    def encode(self, entry, bucket: Bucket, fps: float) -> dict[str, torch.Tensor]:
-        """The item's ``vace_context`` extra ({} when off), from its control clip and mask at its bucket."""
+    def encode(self, entry, bucket: Bucket, fps: float, tensors: dict | None = None) -> dict[str, torch.Tensor]:
+        """The item's ``vace_context`` extra ({} when off), from its controls at its bucket; with a reference
+        image also its ``latent`` and ``loss_mask`` in place of those in ``tensors`` (the item's so far)."""
         if not self.active:
             return {}
-        control, *mask = entry.controls
-        return control_extras(self.vae, control, bucket, fps, mask[0] if mask else None)
+        tensors = tensors or {}
+        return control_extras(self.vae, control_set(entry.path, entry.controls), bucket, fps, tensors.get("latent"),
+                              tensors.get(LOSS_MASK))
+
+    def dataset(self, dataset):
+        """``dataset`` as this option reads it: when on, an image item that the Dataset node paired with one edit
+        reference (``name.png``: a control folder of plain control images reads as edit references) takes it as
+        its VACE control image, so an image-only VACE dataset trains as 1-frame clips."""
+        if not self.active or not any(e.references and not e.controls and not e.is_video for e in dataset.entries):
+            return dataset
+        entries = tuple(replace(e, controls=e.references, references=())
+                        if len(e.references) == 1 and not e.controls and not e.is_video else e
+                        for e in dataset.entries)
+        return replace(dataset, entries=entries)

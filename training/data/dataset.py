@@ -49,7 +49,7 @@ class ImageEntry:
     caption: str
     references: tuple[str, ...] = ()  # reference image paths in reference order (the control folder)
     mask: str = ""  # the loss mask's file (mask folder; dataset_masks.py), "" = none or the image's alpha
-    controls: tuple[str, ...] = ()  # a VACE control clip and its optional mask (control folder; dataset_controls.py)
+    controls: tuple[str, ...] = ()  # VACE control clips, masks, reference (control folder; dataset_controls.py)
 
     @property
     def is_video(self) -> bool:
@@ -135,8 +135,15 @@ class DatasetSpec:
             lines.append(f"{len(self.without_audio)} clip(s) without sound train with the model's no-audio input: "
                          f"{'; '.join(self.without_audio)}")
         if self.control_folder and any(e.controls for e in self.entries):
-            masks = sum(len(e.controls) > 1 for e in self.entries)
-            lines.append(f"VACE control clips in {self.control_folder}: one per clip, {masks} with a mask")
+            from .dataset_controls import control_set
+
+            sets = [control_set(e.path, e.controls) for e in self.entries]
+            streams = sorted({len(c.streams) for c in sets})
+            per = str(streams[0]) if len(streams) == 1 else f"{streams[0]} to {streams[-1]}"
+            masks = sum(sum(m is not None for _, m in c.streams) > 0 for c in sets)
+            refs = sum(c.reference is not None for c in sets)
+            lines.append(f"VACE control clips in {self.control_folder}: {'one' if per == '1' else per} per clip, "
+                         f"{masks} with a mask" + (f", {refs} with a reference image" if refs else ""))
         elif self.control_folder:
             counts = sorted({len(e.references) for e in self.entries})
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
@@ -364,12 +371,13 @@ def _with_references(folder: Path, images: list[str], entries: list[ImageEntry],
 
 def with_controls(images: list[str], entries: list[ImageEntry], files: list[str], control: Path,
                   buckets: BucketSettings) -> list[ImageEntry]:
-    """``entries`` with their VACE control clip and mask (dataset_controls.py), or a :class:`DatasetError`
-    naming every missing, unpaired, doubled or short control."""
+    """``entries`` with their VACE control clips, masks and reference (dataset_controls.py), or a
+    :class:`DatasetError` naming every missing, unpaired, doubled or short control."""
     from .dataset_controls import control_length_problems, pair_controls
 
     paired, problems = pair_controls(images, files, control, IMAGE_EXTENSIONS + VIDEO_EXTENSIONS,
-                                     required=[os.path.basename(e.path) for e in entries])
+                                     required=[os.path.basename(e.path) for e in entries],
+                                     image_extensions=IMAGE_EXTENSIONS)
     kept = [replace(e, controls=paired[os.path.basename(e.path)]) for e in entries
             if os.path.basename(e.path) in paired]
     problems += control_length_problems({e.path: e.controls for e in kept}, buckets.fps, buckets.max_frames,

@@ -40,16 +40,30 @@ def unpack_streams(packed: torch.Tensor, shapes: Sequence[Sequence[int]]) -> lis
     return comfy.utils.unpack_latents(packed, [torch.Size(s) for s in shapes])
 
 
-def join_latent(x0: torch.Tensor, streams: Sequence[torch.Tensor],
+def join_latent(model: object, raw: torch.Tensor, streams: Sequence[torch.Tensor],
                 missing: Sequence[str] = ()) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
-    """``x0`` (the processed training latent ``[B, ...]``) packed with the further ``streams``.
+    """The raw training latent ``raw`` ``[B, ...]`` packed with the further raw ``streams`` and processed as
+    ComfyUI's sampler processes the pack (``CFGGuider.inner_sample``: ``latent_shapes`` set on the model, then its
+    ``process_latent_in`` of the packed latent; MiniMax-H3 carries its audio scaled there), and the shapes.
 
     ``missing`` names declared streams an item of the batch lacks: refused, since a cache without them
     would train the model on a latent it never samples."""
     if missing:
         raise ValueError(f"The cache has no {', '.join(missing)} for some items; this model trains on them with the "
                          "video latent. Re-run the Cache node with the model's audio VAE connected.")
-    return pack_streams([x0, *(s.to(x0.dtype) for s in streams)])
+    packed, shapes = pack_streams([raw, *(s.to(raw.dtype) for s in streams)])
+    return processed_pack(model, packed, shapes), shapes
+
+
+def processed_pack(model: object, packed: torch.Tensor, shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``model.process_latent_in`` of a packed latent, with the model's ``latent_shapes`` set as the sampler sets
+    them while it runs (and restored after)."""
+    before = getattr(model, "latent_shapes", None)
+    model.latent_shapes = [torch.Size(s) for s in shapes]
+    try:
+        return model.process_latent_in(packed)
+    finally:
+        model.latent_shapes = before
 
 
 def joint_weight(weight: torch.Tensor | None, shapes: Sequence[Sequence[int]]) -> torch.Tensor | None:

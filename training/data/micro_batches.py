@@ -267,7 +267,7 @@ class MicroBatches:
         ``(target, loss weight)`` when the family or the items' loss masks weigh the loss."""
         batch = self.flipped(self.captioned([self.examples[i] for i in self._indices(micro)], micro), micro)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + micro * self.replicas + self.replica) % (2**63))
-        x0, shapes = self.joined(batch, self.processed_latents([b.latent for b in batch]))
+        x0, shapes = self.joined(batch, [b.latent for b in batch])
         noise = torch.randn(x0.shape, generator=g)
         sigma = self.sigmas(len(batch), g, tuple((shapes[0] if shapes else x0.shape)[1:]))
         inputs, labels = self.assemble(batch, x0, noise, sigma, shapes)
@@ -319,15 +319,18 @@ class MicroBatches:
     def loss_weight(self, batch: Sequence[Example], x0: torch.Tensor,
                     family_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The loss weight of ``batch``: the family's mask (``[...]`` of one item) times each item's own
-        loss mask (``[1, h, w]`` on the latent grid, broadcast over channels and frames; items without
-        one weigh 1); None when neither exists (plain MSE, as before masks)."""
+        loss mask (``[1, h, w]`` on the latent grid, broadcast over channels and frames, or ``[F, h, w]``
+        per latent frame of a clip, e.g. a VACE reference frame left out; items without one weigh 1); None
+        when neither exists (plain MSE, as before masks)."""
         family = None if family_mask is None else family_mask[None]
         if all(b.mask is None for b in batch):
             return family
-        h, w = x0.shape[-2:]
-        ones = torch.ones(1, int(h), int(w))
-        items = torch.stack([(ones if b.mask is None else b.mask.float()).reshape(1, h, w) for b in batch])
-        items = items.reshape(len(batch), 1, *([1] * (x0.ndim - 4)), h, w)
+        h, w = (int(v) for v in x0.shape[-2:])
+        frames = int(x0.shape[2]) if x0.ndim == 5 else 1
+        ones = torch.ones(1, h, w)
+        items = torch.stack([(ones if b.mask is None else b.mask.float()).reshape(-1, h, w).expand(frames, h, w)
+                             for b in batch])
+        items = items.reshape(len(batch), 1, *([1] * (x0.ndim - 5)), *([frames] if x0.ndim == 5 else []), h, w)
         return items if family is None else family.float() * items
 
     def sigmas(self, n: int, generator: torch.Generator, latent_shape: tuple[int, ...]) -> torch.Tensor:
@@ -358,24 +361,29 @@ class MicroBatches:
         ))
         return tuple(t.to(self.device) for t in inputs), labels
 
-    def joined(self, batch: Sequence[Example], x0: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """``(x0, ())``, or for a family whose model takes several latents as one (``ExtraSpec.joins_latent``)
-        ``x0`` packed with those streams as ComfyUI's sampler packs them, and their shapes
-        (training/data/joint_latent.py says why the objective then needs nothing else)."""
+    def joined(self, batch: Sequence[Example], latents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+        """``(x0, ())`` of the raw cached ``latents`` (:meth:`processed_latents`), or for a family whose model takes
+        several latents as one (``ExtraSpec.joins_latent``) those latents packed with the further streams and
+        processed as ComfyUI's sampler processes the pack, and the streams' shapes (training/data/joint_latent.py
+        says why the objective then needs nothing else)."""
         names = joined_names(self.adapter.extras(self.model.diffusion_model))
         if not names:
-            return x0, ()
+            return self.processed_latents(latents), ()
         missing = [n for n in names if any(n not in b.extras for b in batch)]
         streams = [torch.stack([b.extras[n].float() for b in batch]) for n in names] if not missing else []
-        return join_latent(x0, streams, missing)
+        return join_latent(self.model, self.stacked_latents(latents), streams, missing)
 
-    def processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Raw cached VAE latents of one shape, stacked, as the model takes them (``process_latent_in``);
-        on a video model an image latent ``[C, H, W]`` trains as a 1-frame video."""
+    def stacked_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Raw cached VAE latents of one shape, stacked in float32; on a video model an image latent ``[C, H, W]``
+        trains as a 1-frame video."""
         values = [lat.float() for lat in latents]
         if self.adapter.geometry(self.model.diffusion_model).video:
             values = [lat.unsqueeze(1) if lat.ndim == 3 else lat for lat in values]
-        return self.model.process_latent_in(torch.stack(values))
+        return torch.stack(values)
+
+    def processed_latents(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`stacked_latents` as the model takes them (``process_latent_in``)."""
+        return self.model.process_latent_in(self.stacked_latents(latents))
 
     def _stacked_extras(self, batch: Sequence[Example], text_length: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The family's extras of the micro-batch, stacked (float ones in the compute dtype); a text-aligned

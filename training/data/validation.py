@@ -90,7 +90,7 @@ class ValidationBatches:
         """``(x0, noise, sigma)`` of validation micro-batch ``index`` (batch size 1)."""
         item, level = divmod(index, self.per_item)
         example = self.examples[item]
-        x0, shapes = self.builder.joined([example], self.builder.processed_latents([example.latent]))
+        x0, shapes = self.builder.joined([example], [example.latent])
         # The same levels for every item of a shape: one generator per evaluation, not per item.
         sigmas = self.builder.sigmas(self.per_item, torch.Generator().manual_seed(VALIDATION_SEED),
                                      tuple((shapes[0] if shapes else x0.shape)[1:]))
@@ -101,7 +101,7 @@ class ValidationBatches:
     def build(self, index: int):
         x0, noise, sigma = self.noise_and_sigma(index)
         batch = [self.examples[index // self.per_item]]
-        shapes = self.builder.joined(batch, self.builder.processed_latents([batch[0].latent]))[1]  # packed streams
+        shapes = self.builder.joined(batch, [batch[0].latent])[1]  # packed streams
         return self.builder.assemble(batch, x0, noise, sigma, shapes)
 
     def __iter__(self) -> Iterator:

@@ -49,6 +49,13 @@ def describe_sampling(model_sampling) -> SamplingOverride:
     """The recipe of a patched ``model_sampling`` object, or :class:`UnreplayableSampling` naming it."""
     base = _class_named(model_sampling, _REPLAYABLE)
     prediction = _class_named(model_sampling, _PREDICTIONS)
+    if getattr(model_sampling, "audio_shift", None) is not None:
+        # ModelSamplingAV (MiniMaxH3SigmaShift): the audio shift also rides in transformer_options, which the
+        # training process does not rebuild; a flow replay would drop it and the audio carry with it
+        raise UnreplayableSampling(
+            "The MODEL's sampling was replaced by an audio-video shift node (ModelSamplingMiniMaxH3), which PipeTrainer "
+            "cannot replay in training: MiniMax-H3 trains at its own shifts (video 12, audio 3). Put that node after "
+            "the Train node's MODEL output to sample with other shifts.")
     if base is None or prediction is None:
         raise UnreplayableSampling(
             f"The MODEL's sampling was replaced by {type(model_sampling).__name__} "

@@ -1,8 +1,9 @@
-"""HunyuanVideo text-to-video (``comfy.ldm.hunyuan_video.model.HunyuanVideo``) as pipeline stage layers.
+"""HunyuanVideo text- and image-to-video (``comfy.ldm.hunyuan_video.model.HunyuanVideo``) as pipeline stage layers.
 
 Stage tuples (``B`` batch, ``N`` video tokens, ``T`` text tokens):
 
 - embed: ``(x [B, C, F, H, W], timestep [B], context [B, T, ctx], y [B, 768], guidance [B], text_mask)``
+  (image-to-video: ``x`` with the start-image latent's channels; see below)
   (``guidance`` always, unused by models without a guidance embedding)
   -> ``(img, txt, vec, text_mask, sizes)`` (``y`` only with a pooled-vector embedder)
 - each double and each single block but the last: the same tuple in and out; the last gives
@@ -20,13 +21,31 @@ Token order differs by ComfyUI version: 0.3.75 builds the double blocks with ``f
 puts image tokens first (ids, attention mask, single-block sequence); current ComfyUI puts text first.
 The layers read the order from the blocks, so they follow ComfyUI's forward on both.
 
-Refused by name: image-to-video relatives (concatenated channels), MeanFlow distillations, HunyuanImage
-(2-D patches). HunyuanVideo 1.5 (``model_base.HunyuanVideo15``, a subclass) is its own family
-(:mod:`.hunyuan_video15`); this one refuses a network with 1.5's inputs under another class.
+Image-to-video (``model_base.HunyuanVideoI2V``, 33 input channels; SkyReels I2V,
+``HunyuanVideoSkyreelsI2V``, 32) trains as ComfyUI samples after ``HunyuanImageToVideo`` with its default
+``guidance_type`` "v1 (concat)": the first stage joins the noise, the start-image latent (the clip's first frame
+encoded alone, zero latent frames after it, ``process_latent_in`` like the training latent: extra
+``concat_latent_alone`` of the Cache node's ``start_image = first_frame_alone``) and, for HunyuanVideoI2V,
+``concat_cond``'s ``mask_inverted`` channel (1 on the start image's latent frame), in ``concat_keys`` order. Every
+latent frame is noised and in the loss, as ComfyUI's v1 sampling does (the node gives the latent no noise mask).
+HunyuanVideoI2V's prompt is encoded with the start image's CLIP-vision tokens as
+``TextEncodeHunyuanVideo_ImageToVideo`` does (training/cache/start_image_prompt.py: the Cache node does it with
+``first_frame_alone``, llava_llama3_vision connected to ``clip_vision`` and this family's text encoder); its text
+entries carry the extra ``start_image_prompt`` and preflight refuses a cache without it. SkyReels I2V takes plain
+prompts (no CLIP vision model). The other guidance types of ``HunyuanImageToVideo`` condition otherwise and are not
+what this family trains: "v2 (replace)" (the "fixed" I2V release, same 33-channel layout, so the weights cannot
+tell it apart) puts the start latent into the noised latent under a noise mask (a clean first frame) and
+embeds ``guiding_frame_index`` as a second modulation for the first frame's tokens; "custom" passes the start
+latent as ``ref_latent`` tokens. Sample a LoRA trained here with v1.
+
+Refused by name: other concatenated-channel layouts, MeanFlow distillations, HunyuanImage (2-D patches).
+HunyuanVideo 1.5 (``model_base.HunyuanVideo15``, a subclass) is its own family (:mod:`.hunyuan_video15`); this
+one refuses a network with 1.5's inputs under another class.
 
 Fixture tier (devkit/fixtures_video.py ``build_tiny_hunyuan_video``): detected by ComfyUI's own
 detection on 0.3.75 and current ComfyUI; hidden 128 (1 head), 1 + 1 blocks, text width 768 read from
-the weights, pooled 768 (fixed by detection): 1.83 M parameters.
+the weights, pooled 768 (fixed by detection): 1.83 M parameters; with 33 input channels, ComfyUI detects it as
+``HunyuanVideoI2V`` (tests/family_rows/hunyuan_video.py).
 """
 
 from __future__ import annotations
@@ -38,8 +57,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cache.start_image import CONCAT_LATENT_ALONE
+from ..cache.start_image_prompt import START_IMAGE_PROMPT
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .hunyuan_video_prompt import HUNYUAN_VIDEO_I2V_PROMPT
 from .out_of_place import OutOfPlaceResidualAdds
+from .wan import StartImageExtra
 
 _ATTENTION = r"(img|txt)_attn\.(qkv|proj)|linear[12]"
 _MLP = r"(img|txt)_mlp\.[02]"
@@ -73,18 +96,30 @@ def _support_problem(dm: nn.Module) -> str | None:
         return f"{type(dm).__name__} is not a HunyuanVideo model; the HunyuanVideo adapter cannot train it."
     if len(dm.patch_size) != 3:
         return "HunyuanImage (2-D patches) is not supported yet; HunyuanVideo text-to-video models are."
-    if dm.in_channels != dm.out_channels:
-        return ("HunyuanVideo image-to-video models (HunyuanVideoI2V, SkyReels I2V) are not supported yet: they take the "
-                "start image encoded alone, zero frames after it, concatenated to the noise (HunyuanImageToVideo), and "
-                "HunyuanVideoI2V's prompt is encoded with the image's CLIP-vision tokens "
-                "(TextEncodeHunyuanVideo_ImageToVideo); the cache holds neither. HunyuanVideo text-to-video models are "
-                "supported.")
+    if _concat_channels(dm) not in (0, int(dm.out_channels), int(dm.out_channels) + 1):
+        return (f"This HunyuanVideo model takes {_concat_channels(dm)} concatenated input channels, a layout no "
+                "HunyuanVideo release has (HunyuanVideoI2V: start-image latent and mask; SkyReels I2V: start-image "
+                "latent); it cannot be trained.")
     if dm.byt5_in is not None or dm.vision_in is not None or dm.cond_type_embedding is not None:
         return ("This network has HunyuanVideo 1.5 inputs (ByT5, vision, condition types) but is no HunyuanVideo15 "
                 "model class; HunyuanVideo 1.5 trains as the HunyuanVideo15 family (load it with ComfyUI's own loader).")
     if dm.time_r_in is not None:
         return "MeanFlow-distilled HunyuanVideo models are not supported yet; HunyuanVideo text-to-video models are."
     return None
+
+
+def _concat_channels(dm: nn.Module) -> int:
+    """Channels ``concat_cond`` appends to the noise: 0 (text-to-video), 16 (SkyReels I2V: ``concat_image``) or
+    17 (HunyuanVideoI2V: ``concat_image`` and ``mask_inverted``)."""
+    return int(dm.in_channels) - int(dm.out_channels)
+
+
+def start_frame_channel(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, F, H, W]``: ``concat_cond``'s ``mask_inverted`` after ``HunyuanImageToVideo`` (v1), 1 on the start
+    image's one latent frame (``concat_mask`` is 0 there), 0 after."""
+    mask = x.new_zeros(x.shape[0], 1, *x.shape[2:])
+    mask[:, :, :1] = 1
+    return mask
 
 
 def _image_first(dm: nn.Module) -> bool:
@@ -132,6 +167,7 @@ class HunyuanEmbed(StageLayer):
         if self.guidance_embed:
             self.adopt("guidance_in", dm.guidance_in, "guidance_in")
         self.vec_in_dim = dm.params.vec_in_dim
+        self.in_channels = int(dm.in_channels)
 
     def forward(self, inputs):
         from comfy.ldm.flux.layers import timestep_embedding
@@ -140,6 +176,8 @@ class HunyuanEmbed(StageLayer):
         y = rest[0] if len(rest) == 3 else None  # (y, guidance, text mask) or (guidance, text mask)
         guidance, text_mask = rest[-2], rest[-1]
         sizes = torch.tensor(list(x.shape[-3:]), dtype=torch.int64, device=x.device)
+        if self.in_channels - x.shape[1] == 1:  # HunyuanVideoI2V: concat_cond's mask_inverted after the image
+            x = torch.cat((x, start_frame_channel(x)), dim=1)
         img = self.img_in(x)
         vec = self.time_in(timestep_embedding(t, 256, time_factor=1.0).to(img.dtype))
         if y is not None and hasattr(self, "vector_in"):
@@ -219,6 +257,7 @@ class HunyuanFinal(StageLayer):
 class HunyuanVideoAdapter:
     name = "HunyuanVideo"
     options_type = HunyuanVideoOptions
+    start_image_prompt = HUNYUAN_VIDEO_I2V_PROMPT  # HunyuanVideoI2V's captions (training/cache/start_image_prompt.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)
@@ -252,8 +291,30 @@ class HunyuanVideoAdapter:
         return int(params.context_in_dim), int(params.vec_in_dim or 0)
 
     def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
-        return {TEXT_MASK: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
-                                     description="the text attention mask of the text encoder")}
+        """The text mask; image-to-video models also need the start image (latent, and in the prompt for
+        HunyuanVideoI2V), refused with the Cache node setting that makes it when a cache lacks it."""
+        out: dict[str, ExtraSpec] = {
+            TEXT_MASK: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
+                                 description="the text attention mask of the text encoder")}
+        concat = _concat_channels(diffusion_model)
+        if concat:
+            i2v = concat == int(diffusion_model.out_channels) + 1
+            clip = (" and connect llava_llama3_vision ('Load CLIP Vision') to its clip_vision input" if i2v
+                    else " (SkyReels I2V takes no CLIP vision model)")
+            out[CONCAT_LATENT_ALONE] = StartImageExtra(
+                shape=("C", "F", "H", "W"), is_latent=True,
+                description="the start-image latent (the clip's first frame encoded alone, zero latent frames after "
+                            "it, as HunyuanImageToVideo v1 (concat) builds it)",
+                fix=f"set start_image to first_frame_alone on 'Cache Latents & Text'{clip}, and cache again")
+            if i2v:
+                out[START_IMAGE_PROMPT] = StartImageExtra(
+                    shape=(1,), source="text",
+                    description="captions encoded with the start image's CLIP-vision tokens, as "
+                                "TextEncodeHunyuanVideo_ImageToVideo encodes them",
+                    fix="set start_image to first_frame_alone on 'Cache Latents & Text', connect llava_llama3_vision "
+                        "('Load CLIP Vision') to its clip_vision input and HunyuanVideo's text encoder (CLIP type "
+                        "hunyuan_video) to its clip, and cache again")
+        return out
 
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
         sizes = latent_shape[-3:] if len(latent_shape) == 4 else (1, *latent_shape[-2:])
@@ -262,6 +323,9 @@ class HunyuanVideoAdapter:
     def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         options = batch.options if isinstance(batch.options, HunyuanVideoOptions) else HunyuanVideoOptions()
         x, t = batch.noisy, batch.timestep
+        image = batch.extras.get(CONCAT_LATENT_ALONE)
+        if image is not None:  # concat_image; the embed stage adds HunyuanVideoI2V's mask_inverted channel
+            x = torch.cat((x, image.to(x.dtype)), dim=1)
         out: list[torch.Tensor] = [x, t, batch.cond]
         if batch.pooled is not None:
             out.append(batch.pooled)

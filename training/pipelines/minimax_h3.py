@@ -1,43 +1,61 @@
-"""MiniMax-H3 (``comfy.ldm.minimax.model.MiniMaxH3Model``, ``model_base.MiniMaxH3``): its stage layout, not yet a family.
+"""MiniMax-H3 (``comfy.ldm.minimax.model.MiniMaxH3Model``, ComfyUI model class ``MiniMaxH3``) as pipeline stage layers.
 
-Why this module exists before the family does: H3 is a 33 B-parameter audio-video DiT (50 blocks of 0.65 B
-at the config ComfyUI builds, hidden 5376), the model pipeline stages and block swap exist for, and the
-memory plan must be shown on its real layout before anything trains it (bench/minimax_h3_plan.py builds
-the model on the meta device from ComfyUI's own config class and plans 1, 2, 4 and 8 stages). The layers
-here are where a family module would cut ComfyUI's forward:
+H3 is a 33 B-parameter audio-video DiT (50 blocks of 0.65 B at the config ComfyUI builds, hidden 5376): the model
+pipeline stages and block swap exist for (bench/minimax_h3_plan.py plans its real layout on the meta device). It is
+single-stream: every block attends over one packed sequence ``[text | audio | video]`` (text-to-video-and-audio),
+with per-segment AdaLN rows (text and video at the video timestep, audio at its own).
 
-- embed: ``video_patch_proj``, ``audio_patch_proj`` (fp32 in ComfyUI), ``condition_proj`` and the
-  2-block ``token_refiner`` over the Qwen3-VL states, the time embedder (or the adaln curve table of the
-  curve-form checkpoints) and the parameter-free rope frequencies; resident, never swapped;
-- 50 ``DiTBlock`` s, single-stream over the packed ``[text | cond rows | audio | video]`` sequence:
-  swappable;
-- final: ``final_layer`` (modulated norm and the fp32 video and audio heads); resident.
+How ComfyUI samples it, and so how it trains here. The sampler holds the video latent ``[B, 24, T, H, W]`` and the
+audio VAE's stereo latent ``[B, 32, 2, Ta]`` packed into one (``comfy.utils.pack_latents``); ``process_latent_in``
+carries the audio scaled by ``audio_scale`` (``ModelSamplingAV``: video shift / audio shift, 12 / 3), which makes the
+pack one ordinary flow latent on the video's sigma schedule. ``MiniMaxH3Model.forward`` undoes that carry (the audio
+runs on its own shifted sigma, ``time_shift_sigma``) and converts the audio velocity back. The trainer packs the
+cached audio latent with the video latent (``ExtraSpec.joins_latent``) and processes the pack with ComfyUI's own
+``process_latent_in`` (training/data/joint_latent.py), so noise, target and loss over both streams are the shared
+flow objective's, exactly as ComfyUI's sampling defines them; the stages run ComfyUI's own pieces of ``forward`` /
+``_forward`` (the carry, ``PackedLayout``, ``patchify_video``, ``pack_audio``, the refiner, the blocks, the final
+layer) on each example.
 
-Not registered (no ``register`` call), so no MiniMax-H3 model is offered for training: the layers carry no
-forward yet, because H3 cannot be trained on its video stream alone as ComfyUI runs it. ``MiniMaxH3Model.forward``
-takes ``x`` as the list ``[video, audio]`` (it reads ``x[1]`` as the audio), and ``model_base`` splits the packed
-latent into that list only when the conds carry ``latent_shapes``: a plain video latent (``latent_shapes``
-None, ``audio_scale`` 1) fails with an IndexError in ComfyUI itself. Every H3 latent ComfyUI makes has an audio
-stream (``EmptyMiniMaxH3LatentAV``: ``round(frames / 24 x 40)`` stereo latent frames) and ``_forward`` always
-packs a target audio segment that every video token attends to. A zero-length audio stream does run (checked
-on a tiny model), but a LoRA trained so would learn on an attention context the model never sees when it
-samples. Training the video needs the audio stream beside it (the clip's own audio latent, or noise at the
-audio sigma ``time_shift_sigma(sigma, 12, 3)``, with the loss on the video), that is the joint audio+video
-latent of the cache and objective. Also needed: ComfyUI's ``_forward`` keeps Python-side structure across its
-blocks (the ``PackedLayout`` segments, per-segment modulation rows, the timestep table ``unique_t``), which
-must cross stage boundaries as integer tensors, and it takes batch size 1 only. The memory plan needs none of
-that.
+ComfyUI's ``_forward`` takes batch size 1 and keeps Python-side structure across its blocks (the layout's segments,
+per-segment modulation rows, the table of distinct timesteps). Here every layer runs each example of a micro-batch
+alone, as ComfyUI would, and that structure crosses stage boundaries as integers: per example its caption's token
+count, its sigma's float32 bits and the rows of its two timesteps (``meta``); the streams' shapes and the rotary
+frequencies' bits (``sizes``; rotary tables have no gradient, so they may not cross as float tensors). Examples whose
+captions differ in length have packed sequences of different lengths: each is zero-padded to the longest in the
+micro-batch and cut back to its own before every block, so each trains exactly as sampled alone.
+
+Stage tuples (``B`` batch, ``S`` the longest packed sequence, ``D`` hidden):
+
+- embed: ``(packed latent [B, 1, n], timestep [B], Qwen3-VL states [B, L, text_dim], token counts [B, 1] int64,
+  sizes)`` -> ``(h [B, S, D], t_emb [B, 2, t_dim], audio [B, 32, 2, Ta] as the network reads it, meta, sizes)``
+- each block: that tuple in and out;
+- final: -> the packed prediction ``[B, 1, n]``.
+
+The embed runs the text through ``condition_proj`` and the token refiner (``preprocess_text_embeds``, as
+``MiniMaxH3.extra_conds`` does); the cache holds the text encoder's states. Text-to-video-and-audio only: the
+first/last-frame (``MiniMaxH3ImageToVideo``, ``MiniMaxH3AddGuide``) and reference (``MiniMaxH3ReferenceToVideo``)
+modes add condition rows this family does not feed yet; a LoRA trained on T2VA is sampled by every mode. Blocks
+update the residual stream in place (``addcmul_`` on segment views): each runs on a private copy under
+:mod:`.out_of_place`. Only current ComfyUI has ``MiniMaxH3``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 
+import torch
 from torch import nn
 
-from .base import StageLayer, refuse_model_class
+from ..data.joint_latent import pack_streams, unpack_streams
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
+AUDIO_LATENT = "audio_latent"
 _BLOCKS = r"blocks\.\d+\."
 _ATTENTION = r"attn\.(qkv_proj|out_proj)"
 _MLP = r"mlp\.(fc1|fc2)"
@@ -47,10 +65,19 @@ _TARGETS = {
     "all_linear": rf"{_BLOCKS}({_ATTENTION}|{_MLP}|adaln_proj\.linear)",
 }
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
+_TEXT_TAG, _VIDEO_TAG, _AUDIO_TAG = 1, 0, 2  # ComfyUI's modality tags of the AdaLN rows (``seg_tag``)
+
+
+@dataclass(frozen=True)
+class MiniMaxH3Options:
+    """MiniMax-H3 has no training options of its own (text-to-video-and-audio at ComfyUI's sigma shifts)."""
+
+    def problems(self) -> list[str]:
+        return []
 
 
 def support_problem(dm: nn.Module) -> str | None:
-    """Why ``dm`` has no MiniMax-H3 layout here (None: it has)."""
+    """Why ``dm`` cannot train as MiniMax-H3 here (None: it can)."""
     try:
         from comfy.ldm.minimax.model import MiniMaxH3Model
     except ImportError:
@@ -62,49 +89,236 @@ def support_problem(dm: nn.Module) -> str | None:
     return None
 
 
+def _float_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as int64 (their exact bits), to cross a stage boundary without asking for a gradient."""
+    return values.detach().float().cpu().contiguous().view(torch.int32).to(torch.int64)
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+class _Sizes:
+    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, then the rotary ``inv_freq`` bits."""
+
+    @staticmethod
+    def make(v_shape: Sequence[int], a_shape: Sequence[int], inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
+        head = torch.tensor([*v_shape[1:], *a_shape[1:]], dtype=torch.int64)
+        return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
+
+    @staticmethod
+    def read(sizes: torch.Tensor, batch: int):
+        v = [batch, *(int(s) for s in sizes[0:4])]
+        a = [batch, *(int(s) for s in sizes[4:7])]
+        return v, a, sizes[7:]
+
+
+class _Meta:
+    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video and the audio
+    timestep in its table of distinct timesteps, and that table's length (1 when both timesteps are equal)."""
+
+    @staticmethod
+    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int]:
+        row = meta[i]
+        return int(row[0]), _from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[4])
+
+
+def _shifts(dm: nn.Module) -> tuple[float, float]:
+    return float(dm.sigma_shift_video), float(dm.sigma_shift_audio)
+
+
+def audio_scale(dm: nn.Module) -> float:
+    """The scale ``ModelSamplingAV`` carries the audio at for this model's shifts (its ``audio_scale``)."""
+    video, audio = _shifts(dm)
+    return video / audio
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int):
+    """ComfyUI's ``PackedLayout`` of one example (text-to-video-and-audio: no keyframes, no references)."""
+    from comfy.ldm.minimax.model import PackedLayout
+
+    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t)
+
+
+def _padded_spatial(v_shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
+    """Latent ``(T, H, W)`` after ComfyUI's ``pad_to_patch_size``."""
+    return tuple(-(-int(s) // int(p)) * int(p) for s, p in zip(v_shape[2:], patch, strict=True))
+
+
 class MiniMaxH3Embed(StageLayer):
-    """Patch projections of both streams, the text projection and token refiner, the time embedding."""
+    """The audio carry, both streams' patch projections, the text refiner, the timestep table: ComfyUI's steps."""
 
     def __init__(self, dm: nn.Module):
         super().__init__()
         self.adopt_same(dm, "video_patch_proj", "audio_patch_proj", "condition_proj", "token_refiner", "rope")
-        if dm.use_adaln_curves:
+        self.curves = bool(dm.use_adaln_curves)
+        if self.curves:
             self.adopt_tensor("adaln_t_table", dm, "adaln_t_table")
         else:
             self.adopt_same(dm, "time_embedder")
+        self.patch = tuple(dm.patch_size)
+        self.shifts = _shifts(dm)
+        self.scale = audio_scale(dm)
+        self._preprocess_text = dm.preprocess_text_embeds
+
+    def _t_emb(self, t_vals: torch.Tensor, dtype) -> torch.Tensor:
+        """ComfyUI's table of the distinct timesteps' embeddings (time embedder, or the curve-form lerp)."""
+        if not self.curves:
+            return self.time_embedder(t_vals).to(dtype)
+        import comfy.model_management
+
+        table = comfy.model_management.cast_to(self.adaln_t_table, device=t_vals.device)
+        pos = t_vals.clamp(0.0, 1.0) * (table.shape[0] - 1)
+        i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
+        return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
+
+    def _example(self, vx, ax, timestep, context):
+        """One example as ``MiniMaxH3Model.forward`` and ``_forward`` embed it: ``(h, t_emb, carried audio, meta)``."""
+        import comfy.ldm.common_dit
+        from comfy.ldm.minimax.model import pack_audio, patchify_video, time_shift_sigma
+
+        shift_v, shift_a = self.shifts
+        sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+        sigma_a = time_shift_sigma(sigma_v, shift_v, shift_a)
+        if self.scale != 1.0:
+            ax = ax * (sigma_a / sigma_v).to(ax.dtype)  # forward's undoing of the sampler's carry
+        video_x = comfy.ldm.common_dit.pad_to_patch_size(vx, self.patch)
+        dtype = context.dtype
+        # ComfyUI takes both timesteps as Python floats and builds the table of the distinct ones from them; these are
+        # the same float32 values, kept as tensors so that the table has the timestep's gradient path (a pipeline
+        # stage's every float output needs one)
+        times = {"v": (1.0 - sigma_v).view(1), "a": (1.0 - time_shift_sigma(sigma_v, shift_v, shift_a)).view(1)}
+        t_v, t_a = (float(times[k].detach()) for k in ("v", "a"))
+        unique_t = sorted({t_v, t_a})
+        video_embed = self.video_patch_proj(patchify_video(video_x.to(torch.float32), self.patch)).to(dtype)
+        audio_embed = self.audio_patch_proj(pack_audio(ax.to(torch.float32))).to(dtype)
+        h = torch.cat([context[0], audio_embed, video_embed])  # the layout's segments: text | audio | video
+        by_value = {t_v: times["v"], t_a: times["a"]}
+        t_emb = self._t_emb(torch.cat([by_value[t] for t in unique_t]).to(device=h.device), dtype)
+        meta = torch.cat([torch.tensor([context.shape[1]], dtype=torch.int64), _float_bits(sigma_v.view(1).detach()),
+                          torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t)], dtype=torch.int64)])
+        return h, t_emb, ax, meta
+
+    def forward(self, inputs):
+        packed, timestep, context, tokens, sizes = inputs
+        b = packed.shape[0]
+        v_shape, a_shape, _ = _Sizes.read(sizes, b)
+        vx, ax = unpack_streams(packed, (v_shape, a_shape))
+        rows = []
+        for i in range(b):
+            n = int(tokens[i, 0])
+            text = self._preprocess_text(context[i:i + 1, :n])  # MiniMaxH3.extra_conds' step, at the caption's length
+            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text))
+        longest = max(r[0].shape[0] for r in rows)
+        h = torch.stack([nn.functional.pad(r[0], (0, 0, 0, longest - r[0].shape[0])) for r in rows])
+        t_emb = torch.stack([nn.functional.pad(r[1], (0, 0, 0, 2 - r[1].shape[0])) for r in rows])
+        carried = torch.cat([r[2] for r in rows])
+        meta = torch.stack([r[3] for r in rows])
+        inv_freq = self.rope.inv_freq
+        return h, t_emb, carried, meta, _Sizes.make(v_shape, a_shape, _float_bits(inv_freq))
+
+
+class _Example:
+    """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
+
+    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, patch):
+        self.text_len, self.sigma_v, self.row_v, self.row_a, self.distinct = _Meta.read(meta, i)
+        t, h, w = _padded_spatial(v_shape, patch)
+        self.layout = _layout(self.text_len, t, h, w, int(a_shape[3]))
+        self.length = self.layout.seq_len
+
+    def mod_segments(self) -> list[tuple[int, int, int]]:
+        """ComfyUI's ``mod_segments`` of a plain-text T2VA layout: row ``3 * timestep row + modality tag``."""
+        rows = {"text": 3 * self.row_v + _TEXT_TAG, "audio": 3 * self.row_a + _AUDIO_TAG,
+                "video": 3 * self.row_v + _VIDEO_TAG}
+        return [(a, b, rows[kind]) for a, b, kind in self.layout.segments]
 
 
 class MiniMaxH3Block(StageLayer):
-    """One DiT block over the whole packed sequence (text, audio and video tokens alike)."""
+    """One DiT block over each example's packed sequence (text, audio and video tokens alike)."""
 
     swappable = True
 
     def __init__(self, dm: nn.Module, index: int):
         super().__init__()
         self.adopt("block", dm.blocks[index], f"blocks.{index}")
+        self.patch = tuple(dm.patch_size)
+        self._rope_freqs = type(dm).rope_freqs  # ComfyUI's, over the frequencies that crossed as bits
+
+    def _rope(self, layout, inv_freq: torch.Tensor, dtype, device) -> torch.Tensor:
+        from comfy.ldm.minimax.model import rope_rotation_table
+
+        holder = SimpleNamespace(rope=SimpleNamespace(inv_freq=inv_freq))
+        return rope_rotation_table(self._rope_freqs(holder, layout.position_ids, device), dtype)
+
+    def forward(self, inputs):
+        h, t_emb, carried, meta, sizes = inputs
+        b = h.shape[0]
+        v_shape, a_shape, bits = _Sizes.read(sizes, b)
+        inv_freq = _from_bits(bits)
+        outs = []
+        for i in range(b):
+            ex = _Example(meta, i, v_shape, a_shape, self.patch)
+            x = h[i, :ex.length].clone()  # the block updates it in place: never the stage's input
+            rope = self._rope(ex.layout, inv_freq, h.dtype, h.device)
+            with OutOfPlaceResidualAdds(x, private=True, slices=True):
+                y = self.block(x, t_emb[i, :ex.distinct], ex.mod_segments(), rope, transformer_options={})
+            outs.append(nn.functional.pad(y, (0, 0, 0, h.shape[1] - ex.length)))
+        return torch.stack(outs), t_emb, carried, meta, sizes
 
 
 class MiniMaxH3Final(StageLayer):
-    """The modulated final norm and the video and audio output heads."""
+    """The modulated final norm, the video and audio heads, and forward's audio velocity conversion: packed again."""
 
     def __init__(self, dm: nn.Module):
         super().__init__()
         self.adopt_same(dm, "final_layer")
+        self.patch = tuple(dm.patch_size)
+        self.channels = int(dm.latents_dim)
+        self.shifts = _shifts(dm)
+        self.scale = audio_scale(dm)
+
+    def forward(self, inputs):
+        from comfy.ldm.minimax.model import time_shift_sigma, unpack_audio, unpatchify_video
+
+        h, t_emb, carried, meta, sizes = inputs
+        b = h.shape[0]
+        v_shape, a_shape, _ = _Sizes.read(sizes, b)
+        t, lat_h, lat_w = _padded_spatial(v_shape, self.patch)
+        videos, audios = [], []
+        for i in range(b):
+            ex = _Example(meta, i, v_shape, a_shape, self.patch)
+            va, vb, _ = ex.layout.segments[-1]
+            aa, ab, _ = ex.layout.segments[-2]
+            v, a = self.final_layer(h[i, :ex.length], t_emb[i, :ex.distinct], (va, vb, ex.row_v), (aa, ab, ex.row_a))
+            video = unpatchify_video(v, t, lat_h // 2, lat_w // 2, self.channels, self.patch)
+            video = -video[:, :, :v_shape[2], :v_shape[3], :v_shape[4]].to(h.dtype)
+            audio = -unpack_audio(a).to(h.dtype)
+            if self.scale != 1.0:  # forward's d/d(sigma_v) of the carried audio
+                sigma_a = time_shift_sigma(ex.sigma_v, *self.shifts)
+                audio = ((1.0 - self.scale) * carried[i:i + 1]
+                         + (1.0 + (self.scale - 1.0) * sigma_a).to(audio.dtype) * audio)
+            videos.append(video)
+            audios.append(audio)
+        return pack_streams([torch.cat(videos), torch.cat(audios)])[0]
 
 
-class MiniMaxH3Layout:
-    """The family-shaped description of H3's stages (layers, swappable flags, LoRA presets, tokens)."""
+class MiniMaxH3Adapter:
+    """MiniMax-H3 text-to-video-and-audio on the joint latent ComfyUI samples."""
 
     name = FAMILY
+    options_type = MiniMaxH3Options
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = support_problem(diffusion_model)
         return [problem] if problem else []
 
     def stage_layers(self, diffusion_model: nn.Module) -> list[StageLayer]:
-        problem = support_problem(diffusion_model)
-        if problem:
-            raise ValueError(problem)
+        from ...patches.comfy_kitchen_rms_rope_backward import enable_rms_rope_backward
+
+        refuse_unsupported(self, diffusion_model)
+        enable_rms_rope_backward()  # ComfyUI's H3 attention ropes with comfy_kitchen's fused op, which has no backward
         dm = diffusion_model
         return [MiniMaxH3Embed(dm), *(MiniMaxH3Block(dm, i) for i in range(len(dm.blocks))), MiniMaxH3Final(dm)]
 
@@ -112,7 +326,48 @@ class MiniMaxH3Layout:
         return [False, *([MiniMaxH3Block.swappable] * len(diffusion_model.blocks)), False]
 
     def lora_target_regex(self, preset: str) -> str:
+        if preset not in _TARGETS:
+            raise ValueError(f"Unknown LoRA target preset {preset!r} for MiniMax-H3; choose one of {', '.join(_TARGETS)}.")
         return _TARGETS[preset]
+
+    def geometry(self, diffusion_model: nn.Module) -> Geometry:
+        """Patches 1 x 2 x 2. ``frame_step`` is the H3 VAE's index formula (4); the frame counts it encodes whole are
+        17k + 5 (``nodes_minimax_h3.align_frame_count``), which the Cache node reads from the VAE's own functions
+        (training/cache/encoders.py ``vae_usable_frames``)."""
+        pt, ph, pw = (int(p) for p in diffusion_model.patch_size)
+        return Geometry(patch=(pt, ph, pw), video=True, frame_step=4)
+
+    def conditioning_dims(self, diffusion_model: nn.Module) -> tuple[int, int]:
+        """``(Qwen3-VL width, 0)``: the cache holds the text encoder's states; the embed runs ``condition_proj`` and
+        the token refiner on them, as ``MiniMaxH3.extra_conds`` does at sampling."""
+        return int(diffusion_model.condition_proj.in_features), 0
+
+    def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
+        dm = diffusion_model
+        return {AUDIO_LATENT: ExtraSpec(shape=(int(dm.audio_latents_dim), 2, "*"), source="latent", joins_latent=True,
+                                        description="the clip's stereo audio VAE latent, packed with the video latent")}
+
+    def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
+        """Video tokens of the video latent (the joint latent's first stream)."""
+        sizes = latent_shape[-3:] if len(latent_shape) == 4 else (1, *latent_shape[-2:])
+        out = 1
+        for s, p in zip(sizes, diffusion_model.patch_size, strict=True):
+            out *= -(-int(s) // int(p))
+        return out
+
+    def first_stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        if len(batch.latent_shapes) != 2:
+            raise ValueError("MiniMax-H3 trains on the video and audio latents together; the batch has no audio latent.")
+        v_shape, a_shape = batch.latent_shapes
+        tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * batch.noisy.shape[0], dtype=torch.int64)
+        return batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), _Sizes.make(v_shape, a_shape)
+
+    def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
+        return None
+
+    def text_length(self, lengths: Sequence[int]) -> int:
+        """The longest cond of the micro-batch; each example's sequence holds its caption at its own length."""
+        return max(lengths)
 
     def tokens(self, diffusion_model: nn.Module, width: int, height: int, length: int,
                text_tokens: int = TEXT_TOKENS) -> int:
@@ -128,6 +383,4 @@ class MiniMaxH3Layout:
         return text_tokens + 2 * audio_t + video
 
 
-refuse_model_class("MiniMaxH3", "its video and audio streams are one packed latent that ComfyUI's forward always reads "
-                   "together, and PipeTrainer cannot train the audio stream of this model yet. bench/minimax_h3_plan.py "
-                   "shows its stage split and memory plan.")
+ADAPTER = register(MiniMaxH3Adapter(), model_classes=("MiniMaxH3",))

@@ -16,7 +16,9 @@ nothing: an out-of-place result would be lost. Such a block runs with ``private=
 caller made for it: in-place ops on that copy run as written, and every other use of it (a norm, a
 Linear, a view) gets a snapshot (a clone of its current value), so no tensor that autograd saved is
 modified afterwards. Without ``private``, ``addcmul_`` on a tracked residual raises instead of
-corrupting the caller's tensor and the gradients.
+corrupting the caller's tensor and the gradients. A block that updates slices of its private copy in place
+(MiniMax-H3's per-segment gated residual ``x[a:b].addcmul_(y, gate)``) runs with ``slices=True`` as well: a slice
+of the copy is then the copy's own view, tracked like the copy, so the in-place op on it writes into the copy.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class OutOfPlaceResidualAdds(TorchFunctionMode):
     residuals are the caller's own copies, updated in place as written (see the module docstring).
     """
 
-    def __init__(self, *residuals: torch.Tensor, private: bool = False):
+    def __init__(self, *residuals: torch.Tensor, private: bool = False, slices: bool = False):
         super().__init__()
         self._tracked: list[torch.Tensor] = list(residuals)
         self._private = private
+        self._slices = private and slices
 
     def _is_tracked(self, tensor: object) -> bool:
         return any(tensor is t for t in self._tracked)
@@ -46,6 +49,10 @@ class OutOfPlaceResidualAdds(TorchFunctionMode):
         target = args[0] if args else None
         if self._private:
             kwargs = dict(zip(kwargs, self._snapshots(kwargs.values()), strict=True))
+            if self._slices and func is torch.Tensor.__getitem__ and self._is_tracked(target):
+                view = func(target, *self._snapshots(args[1:]), **kwargs)
+                self._tracked.append(view)  # an in-place op on the slice writes into the residual, as written
+                return view
             if self._is_tracked(target) and (_in_place(func) or _is_getter(func)):
                 return func(target, *self._snapshots(args[1:]), **kwargs)
             return func(*self._snapshots(args), **kwargs)

@@ -42,8 +42,9 @@ boundary go into the LoRA file's metadata.
 Images train as 1-frame videos (the data pipeline gives image latents a frame axis, :class:`Geometry`
 ``video``). Clips have 1 or 4k+1 frames (the Wan VAEs' temporal rule: 4 pixel frames per latent frame
 after the first). Wan 2.1 VACE (``WAN21_Vace``) is the WanVace family (training/pipelines/wan_vace.py,
-which reuses these layers). The other Wan relatives ComfyUI builds from subclasses (camera, S2V, HuMo,
-Animate) and other concat layouts (Fun control, reference conv) are refused by name.
+which reuses these layers), Wan 2.2 S2V (``WAN22_S2V``) the WanS2V family (training/pipelines/wan_s2v.py).
+The other Wan relatives ComfyUI builds from subclasses (camera, HuMo, Animate) and other concat layouts
+(Fun control, reference conv) are refused by name.
 
 Fixture tiers (all detected by ComfyUI's own detection from keys and shapes, on 0.3.75 and current
 ComfyUI, no config in the file): T2V 1.1 M (devkit/fixtures.py ``build_tiny_wan_t2v``), TI2V-5B layout
@@ -77,9 +78,10 @@ _TARGETS = {
 }
 
 _RELATIVES = {
-    "VaceWanModel": "Wan VACE", "CameraWanModel": "Wan camera control", "WanModel_S2V": "Wan S2V",
-    "HumoWanModel": "Wan HuMo", "AnimateWanModel": "Wan Animate",
+    "VaceWanModel": "Wan VACE", "CameraWanModel": "Wan camera control", "HumoWanModel": "Wan HuMo",
+    "AnimateWanModel": "Wan Animate",
 }
+_OWN_FAMILIES = {"WanModel_S2V": "WanS2V"}  # a relative the Wan adapter refuses because its own family trains it
 
 MASK_CHANNELS = 4  # WAN21.concat_cond's mask: one channel per pixel frame of a latent frame
 EXPERTS = ("none", "high_noise", "low_noise")
@@ -142,6 +144,9 @@ def _support_problem(dm: nn.Module) -> str | None:
     if not isinstance(dm, WanModel):
         return f"{type(dm).__name__} is not a Wan model; the Wan adapter cannot train it."
     if type(dm) is not WanModel:
+        if type(dm).__name__ in _OWN_FAMILIES:
+            return (f"{type(dm).__name__} is trained by the {_OWN_FAMILIES[type(dm).__name__]} family, not the Wan "
+                    "adapter; load it with its own ComfyUI model class.")
         name = _RELATIVES.get(type(dm).__name__, type(dm).__name__)
         return (f"{name} models are not supported yet: their blocks take extra streams the Wan adapter does not "
                 "feed. Wan 2.1 / 2.2 text-to-video, TI2V and image-to-video models are supported.")
@@ -259,6 +264,14 @@ def clean_first_frame(noisy: torch.Tensor, clean: torch.Tensor, timestep: torch.
     t = timestep.float().view(-1, 1)
     t = torch.cat([torch.zeros_like(t), t.expand(-1, frames - 1)], dim=1)
     return x, t
+
+
+def single_model_expert_problems(options: object, model_name: str) -> list[str]:
+    """The ``expert`` option on a Wan relative that is one model for every noise level (VACE, S2V), named."""
+    if isinstance(options, WanOptions) and options.expert != "none":
+        return [f"Wan option expert '{options.expert}' is for the two files of a Wan 2.2 A14B model; {model_name} "
+                "is one model for every noise level: set expert to none (and expert_boundary to 0)."]
+    return []
 
 
 class WanAdapter:

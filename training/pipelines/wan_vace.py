@@ -30,9 +30,22 @@ the Cache node's ``vace_control`` is on; preflight refuses a VACE run on a cache
 build it (``VACE_CONTEXT_FIX``): trained without its control stream, a VACE LoRA would learn a model it is
 never sampled as.
 
+Several control streams (N > 1, chained ``WanVaceToVideo`` nodes) need nothing more here: the cache stores
+them stacked along N in chain order and every VACE block runs each stream and adds each hint, as
+``VaceWanModel`` does.
+
+A reference image (``WanVaceToVideo``'s ``reference_image``) is one latent frame in front of every stream
+and of the latent the sampler denoises; ``TrimVideoLatent`` cuts that frame after sampling. The cache puts
+the same frame in front of the training latent (the node's own VAE latent of the reference: the control
+stream marks that frame mask 0, "keep", with the reference as its content, so the model's trajectory there
+is the reference noised), and a per-frame loss mask that is 0 on it: ComfyUI never outputs the frame, so
+the model never has to deliver it as data; it is input that the video frames attend to
+(training/cache/vace_control.py). Nothing in this module changes for it: the frame is one more latent frame.
+
+An image item (a 1-frame clip, ``WanVaceToVideo`` with length 1) trains like a clip of one latent frame.
+
 Also refused before a run: a VACE model whose mapping asks for more VACE blocks than it has (ComfyUI
-cannot run it either), Wan's ``first_frame_clean`` and ``expert`` options. A reference image (``WanVaceToVideo``'s ``reference_image``: an extra
-latent frame in front of the video, trimmed after sampling) is not part of the control stream here.
+cannot run it either), Wan's ``first_frame_clean`` and ``expert`` options.
 """
 
 from __future__ import annotations
@@ -45,7 +58,17 @@ from torch import nn
 from ..cache.vace_control import VACE_CONTEXT
 from .base import ExtraSpec, StageLayer, refuse_unsupported, register
 from .out_of_place import OutOfPlaceResidualAdds
-from .wan import _ATTENTION, _MLP, StartImageExtra, WanAdapter, WanBlock, WanEmbed, WanHead, WanOptions
+from .wan import (
+    _ATTENTION,
+    _MLP,
+    StartImageExtra,
+    WanAdapter,
+    WanBlock,
+    WanEmbed,
+    WanHead,
+    WanOptions,
+    single_model_expert_problems,
+)
 
 STRENGTH = 1.0  # WanVaceToVideo's default strength
 _VACE_TARGETS = {
@@ -56,8 +79,8 @@ _VACE_TARGETS = {
 _MAIN_TARGETS = {"attention": _ATTENTION, "attention_mlp": rf"{_ATTENTION}|{_MLP}", "all_linear": rf"{_ATTENTION}|{_MLP}"}
 VACE_CONTEXT_FIX = (
     "a VACE LoRA trained without its control stream would not learn what WanVaceToVideo samples: give the "
-    "Dataset node a control_folder with a control video per clip (clip.mp4, optional clip_mask.mp4 or .png) "
-    "and set the Cache node's vace_control on")
+    "Dataset node a control_folder with a control video per clip (clip.mp4, optional clip.2.mp4..., "
+    "clip_mask.mp4 or .png, clip_ref.png) and set the Cache node's vace_control on")
 
 
 def vace_mapping(dm: nn.Module) -> dict[int, int]:
@@ -179,12 +202,8 @@ class WanVaceAdapter(WanAdapter):
 
     def preflight_problems(self, diffusion_model: nn.Module, facts) -> list[str]:
         """Wan's option checks, plus: a VACE model is one Wan 2.1 model for every noise level."""
-        out = super().preflight_problems(diffusion_model, facts)
-        options = facts.options
-        if isinstance(options, WanOptions) and options.expert != "none":
-            out.append(f"Wan option expert '{options.expert}' is for the two files of a Wan 2.2 A14B model; Wan 2.1 "
-                       "VACE is one model for every noise level: set expert to none (and expert_boundary to 0).")
-        return out
+        return super().preflight_problems(diffusion_model, facts) + single_model_expert_problems(facts.options,
+                                                                                                  "Wan 2.1 VACE")
 
 
 ADAPTER = register(WanVaceAdapter(), model_classes=("WAN21_Vace",))

@@ -1,0 +1,55 @@
+"""MiniMax-H3: ComfyUI's own MiniMaxH3 config class at width 32 (the real model is 5376 wide, 33 B parameters), in
+memory. The layout keeps H3's data flow: 2 single-stream DiT blocks over the packed ``[text | audio | video]``
+sequence (a 2-stage split falls between them), a 1-block token refiner over the Qwen3-VL states, the video VAE's 24
+latent channels and the audio VAE's stereo 32-channel latent. The example is what ComfyUI's sampler hands
+``apply_model``: the video and the audio latent packed into one (``latent_shapes``), the audio carried at the model
+sampling's ``audio_scale``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import Row
+from .common import from_config, require_model_class
+
+LATENT = (24, 2, 4, 6)  # the video latent [C, T, H, W]
+AUDIO_FRAMES = 3  # audio latent frames: [32, 2, 3]
+TEXT_DIM = 24  # the Qwen3-VL states' width (5120 in the real model)
+UNET = {"image_model": "minimax_h3", "hidden_size": 32, "num_layers": 2, "token_refiner_num_layers": 1,
+        "num_attention_heads": 2, "attention_head_dim": 16, "ffn_hidden_size": 32, "text_dim": TEXT_DIM,
+        "timestep_input_dim": 16, "time_embed_hidden_size": 32, "time_embed_dim": 16, "rope_inv_freq_len": 2}
+
+
+def h3_small(seed: int = 73):
+    """30 k parameters, ComfyUI's MiniMaxH3Model; rotary frequencies as a trained model's (geometric)."""
+    require_model_class("MiniMaxH3", "in ComfyUI v0.33")
+    import comfy.supported_models
+
+    patcher = from_config(comfy.supported_models.MiniMaxH3, UNET, seed=seed)
+    inv = patcher.model.diffusion_model.rope.inv_freq
+    inv.copy_(1.0 / 10000 ** (torch.arange(inv.shape[0], dtype=torch.float32) / inv.shape[0]))
+    return patcher
+
+
+def h3_kwargs(cond, pooled, options, extras):
+    """What ``MiniMaxH3.extra_conds`` and the sampler hand the model: the Qwen3-VL states through the model's
+    ``condition_proj`` and token refiner, the packed streams' shapes and the payload's ``audio_scale``."""
+    model = h3_small().model
+    shapes = [torch.Size((1, *LATENT)), torch.Size(extras["audio_latent"].shape)]
+    with torch.no_grad():
+        context = model.diffusion_model.preprocess_text_embeds(cond)
+    model.latent_shapes = shapes
+    return {"c_crossattn": context, "latent_shapes": shapes,
+            "minimax_payload": {"audio_scale": model.model_sampling.audio_scale, "seed": 0}}
+
+
+def _extras(model, x0, g):
+    """The clip's stereo audio latent."""
+    return {"audio_latent": torch.randn(1, 32, 2, AUDIO_FRAMES, generator=g)}
+
+
+ROWS = [
+    Row("MiniMaxH3", "ComfyUI's MiniMaxH3 config class, 32 wide (the real model: 5376, 33 B), in memory",
+        load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=5, comfy_kwargs=h3_kwargs,
+        extras=_extras),
+]
