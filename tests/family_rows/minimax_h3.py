@@ -48,8 +48,35 @@ def _extras(model, x0, g):
     return {"audio_latent": torch.randn(1, 32, 2, AUDIO_FRAMES, generator=g)}
 
 
+KEYFRAME = (24, 1, 4, 6)  # one image encoded alone: 1 latent frame at the clip's latent size
+TAGS = (0, 0, 1, 0, 1)  # an image's vision tokens (0) in front of and inside the caption's (1)
+
+
+def _keyframe_extras(model, x0, g):
+    """First/last-frame mode (MiniMaxH3ImageToVideo with both frames): the keyframe latents and the prompt's token
+    tags beside the audio latent."""
+    return {**_extras(model, x0, g), "keyframe_first": torch.randn(1, *KEYFRAME, generator=g),
+            "keyframe_last": torch.randn(1, *KEYFRAME, generator=g),
+            "minimax_token_tags": torch.tensor([TAGS], dtype=torch.int64),
+            "start_image_prompt": torch.tensor([[TAGS.count(0)]], dtype=torch.int64)}
+
+
+def h3_keyframe_kwargs(cond, pooled, options, extras):
+    """What ``MiniMaxH3.extra_conds`` hands the model for ``minimax_keyframes`` (first frame at pixel 0, last frame at
+    the clip's last pixel frame: 2 latent frames are 1 + 4 pixel frames) and ``minimax_token_tags``."""
+    kwargs = h3_kwargs(cond, pooled, options, extras)
+    keyframes = [{"resolved_frame_index": 0, "latent": extras["keyframe_first"]},
+                 {"resolved_frame_index": 4, "latent": extras["keyframe_last"]}]
+    kwargs["minimax_payload"].update(keyframes=keyframes, cond_video_latents=[k["latent"] for k in keyframes],
+                                     text_token_tags=extras["minimax_token_tags"][0])
+    return kwargs
+
+
 ROWS = [
     Row("MiniMaxH3", "ComfyUI's MiniMaxH3 config class, 32 wide (the real model: 5376, 33 B), in memory",
         load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=5, comfy_kwargs=h3_kwargs,
         extras=_extras),
+    Row("MiniMaxH3", "the same model in first/last-frame mode: keyframe condition rows and an image's vision tokens in "
+        "the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
+        comfy_kwargs=h3_keyframe_kwargs, extras=_keyframe_extras, id="MiniMaxH3 keyframes"),
 ]

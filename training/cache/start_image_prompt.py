@@ -16,6 +16,11 @@ digest with its bucket's preprocessing (which fix the start image's pixels) join
 a changed first frame, bucket or CLIP vision model re-encodes the item's text. Each text entry also holds
 ``start_image_prompt`` (int64 ``[1]``: the image tokens in front of the caption), which the family requires, so a
 cache made without the image in the prompt is refused before training instead of training silently on it.
+
+MiniMax-H3's first/last-frame mode (``start_image = first_last_frames``) works the same way without a CLIP vision
+model: ComfyUI's ``MiniMaxH3ImageToVideo`` hands the first and last frames to the Qwen3-VL text encoder itself
+(``clip.tokenize(prompt, images=...)``), whose vision tokens then lead the caption's; a style says which images of
+the item its node reads (``images``) and whether it needs a CLIP vision model (``clip_vision``).
 """
 
 from __future__ import annotations
@@ -29,25 +34,37 @@ import torch
 from .keys import prep_signature, prompt_signature
 from .media import load_image, load_video
 from .plan import ItemPlan, KeyedTexts, keyed_texts
-from .start_image import FIRST_FRAME_ALONE, StartImage, clip_vision_identity
+from .start_image import FIRST_FRAME_ALONE, FIRST_LAST_FRAMES, StartImage, clip_vision_identity
 
 START_IMAGE_PROMPT = "start_image_prompt"  # the text extra: how many image tokens lead the cond
+IMAGE_TOKEN_TAGS = "minimax_token_tags"  # ComfyUI's MiniMax-H3 encoder output: 0 on an image's tokens, 1 on text
+
+
+def first_frame(pixels: torch.Tensor) -> list[torch.Tensor]:
+    """The item's first kept frame (``[1, H, W, 3]``), at its bucket: the start image of the I2V styles."""
+    return [pixels[:1, ..., :3]]
 
 
 @dataclass(frozen=True)
 class StartImagePromptStyle:
-    """How one ComfyUI text-encode node puts a start image's CLIP-vision output into the prompt.
+    """How one ComfyUI node puts an item's start frame(s) into the prompt, for the Cache node's start_image ``mode``.
 
-    ``conditioning(clip, caption, clip_vision_output, interleave)`` returns that node's CONDITIONING;
+    ``conditioning(clip, caption, images, clip_vision_output, interleave)`` returns that node's CONDITIONING for the
+    ``images`` the style takes of the item (``images(pixels)``: ``[1, H, W, 3]`` each, from the item's frames at its
+    bucket) and, for a style with ``clip_vision``, the ``CLIP Vision Encode`` output of the first image (else None);
     ``takes(clip)`` says whether ``clip`` is the text encoder that reads it; ``crop`` is the ``CLIP Vision Encode``
-    crop of the family's I2V workflow; ``version`` is part of the text key (bump it when ``conditioning`` changes)."""
+    crop of the family's I2V workflow; ``version`` is part of the text key (bump it when ``conditioning`` or
+    ``images`` changes)."""
 
     node: str
     version: int
     crop: str
     interleave: int
     takes: Callable[[object], bool]
-    conditioning: Callable[[object, str, object, int], list]
+    conditioning: Callable[[object, str, list, object, int], list]
+    mode: str = FIRST_FRAME_ALONE
+    images: Callable[[torch.Tensor], list[torch.Tensor]] = first_frame
+    clip_vision: bool = True
 
 
 def _styles() -> list[StartImagePromptStyle]:
@@ -60,13 +77,15 @@ def _styles() -> list[StartImagePromptStyle]:
 class StartImagePrompt:
     """One cache run's start-image prompt: the family's style and the Cache node's CLIP vision model."""
 
-    def __init__(self, style: StartImagePromptStyle, clip_vision):
+    def __init__(self, style: StartImagePromptStyle, clip_vision=None):
         self.style = style
         self.clip_vision = clip_vision
         self._identity: dict | None = None
 
     def problems(self) -> list[str]:
         """A CLIP vision model without the llava projector gives no tokens the prompt can take."""
+        if not self.style.clip_vision:
+            return []
         model = getattr(self.clip_vision, "model", None)
         if getattr(model, "multi_modal_projector", None) is None:
             return [f"The CLIP vision model connected to 'Cache Latents & Text' has no llava projector, so "
@@ -77,9 +96,12 @@ class StartImagePrompt:
     def identity(self) -> dict:
         """What the text key records of the prompt (the item's image is keyed by its source and bucket)."""
         if self._identity is None:
-            self._identity = {"start_image_prompt": self.style.node, "v": self.style.version,
-                              "interleave": self.style.interleave, "crop": self.style.crop,
-                              "clip_vision": clip_vision_identity(self.clip_vision)}
+            self._identity = {"start_image_prompt": self.style.node, "v": self.style.version}
+            if self.style.clip_vision:
+                self._identity.update(interleave=self.style.interleave, crop=self.style.crop,
+                                      clip_vision=clip_vision_identity(self.clip_vision))
+            else:
+                self._identity["images"] = getattr(self.style.images, "__name__", "images")
         return self._identity
 
     @property
@@ -106,19 +128,29 @@ class StartImagePrompt:
         return out
 
     def encode_item(self, clip, planned: ItemPlan, fps: float) -> dict[str, torch.Tensor]:
-        """The plan's text with its item's first frame at the plan's bucket (what the start latent is made of)."""
+        """The plan's text with its item's frames at the plan's bucket (what the start latents are made of)."""
         path, bucket = planned.entry.path, planned.bucket
         pixels = load_video(path, bucket, fps) if planned.entry.is_video else load_image(path, bucket)
-        return self.encode(clip, planned.text, pixels[:1])
+        return self.encode(clip, planned.text, pixels)
 
-    def encode(self, clip, caption: str, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``caption`` encoded with the start image ``first`` (``[1, H, W, C]``) as the style's node does."""
+    def encode(self, clip, caption: str, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``caption`` encoded with the style's images of ``pixels`` (``[F, H, W, C]``, the item at its bucket) as
+        the style's node does. ``start_image_prompt`` holds the image tokens in front of the caption (with a CLIP
+        vision model: its projected tokens kept by the interleave; without: the tokens the encoder tags as an
+        image's, ``minimax_token_tags`` 0)."""
         from .encoders import _text_tensors
 
-        output = self.clip_vision.encode_image(first[..., :3], crop=self.style.crop == "center")
-        ((cond, extras), *_) = self.style.conditioning(clip, caption, output, self.style.interleave)
+        images = self.style.images(pixels)
+        output = None
+        if self.style.clip_vision:
+            output = self.clip_vision.encode_image(images[0], crop=self.style.crop == "center")
+        ((cond, extras), *_) = self.style.conditioning(clip, caption, images, output, self.style.interleave)
         out = _text_tensors(cond, extras)
-        tokens = -(-int(output["mm_projected"].shape[1]) // self.style.interleave)
+        if output is not None:
+            tokens = -(-int(output["mm_projected"].shape[1]) // self.style.interleave)
+        else:
+            tags = extras.get(IMAGE_TOKEN_TAGS)
+            tokens = int((tags == 0).sum()) if isinstance(tags, torch.Tensor) else 0
         out[START_IMAGE_PROMPT] = torch.tensor([tokens], dtype=torch.int64)
         return out
 
@@ -128,9 +160,11 @@ def start_image_prompt_for(start_image: StartImage, clip) -> tuple[StartImagePro
     encoder a family has a style for, the prompt, and the start image without the CLIP vision model (it conditions
     the prompt, not the latent entry); otherwise ``(None, start_image)``. Refuses a CLIP vision model the style
     cannot use, with the fix."""
+    if start_image.mode == FIRST_LAST_FRAMES:
+        return _frames_prompt(start_image, clip)
     if start_image.mode != FIRST_FRAME_ALONE or start_image.clip_vision is None or clip is None:
         return None, start_image
-    style = next((s for s in _styles() if s.takes(clip)), None)
+    style = next((s for s in _styles() if s.mode == start_image.mode and s.clip_vision and s.takes(clip)), None)
     if style is None:
         return None, start_image
     prompt = StartImagePrompt(style, start_image.clip_vision)
@@ -138,3 +172,16 @@ def start_image_prompt_for(start_image: StartImage, clip) -> tuple[StartImagePro
     if problems:
         raise ValueError("\n".join(problems))
     return prompt, StartImage(start_image.mode)
+
+
+def _frames_prompt(start_image: StartImage, clip) -> tuple[StartImagePrompt, StartImage]:
+    """``first_last_frames``: the frames condition both the latent entry (keyframe latents) and the prompt, which
+    only a text encoder that reads images makes as the model samples; any other is refused with the fix."""
+    styles = [s for s in _styles() if s.mode == start_image.mode]
+    style = next((s for s in styles if clip is not None and s.takes(clip)), None)
+    if style is None:
+        nodes = " or ".join(s.node for s in styles) or "a first/last-frame node"
+        raise ValueError(f"start_image = {start_image.mode} puts each clip's first and last frames into its captions' "
+                         f"prompt as {nodes} does, which needs that model's own text encoder on 'Cache Latents & "
+                         "Text' (MiniMax-H3: 'Load CLIP' with type minimax): connect it, or set start_image to none.")
+    return StartImagePrompt(style), start_image

@@ -25,7 +25,7 @@ def takes_start_image(clip: object) -> bool:
     return isinstance(getattr(clip, "cond_stage_model", None), HunyuanVideoClipModel)
 
 
-def _conditioning(clip, caption: str, clip_vision_output, interleave: int) -> list:
+def _conditioning(clip, caption: str, images: list, clip_vision_output, interleave: int) -> list:
     from comfy_extras.nodes_hunyuan import TextEncodeHunyuanVideo_ImageToVideo
 
     result = TextEncodeHunyuanVideo_ImageToVideo.execute(clip, clip_vision_output, caption, interleave)

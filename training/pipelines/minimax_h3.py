@@ -24,19 +24,29 @@ frequencies' bits (``sizes``; rotary tables have no gradient, so they may not cr
 captions differ in length have packed sequences of different lengths: each is zero-padded to the longest in the
 micro-batch and cut back to its own before every block, so each trains exactly as sampled alone.
 
-Stage tuples (``B`` batch, ``S`` the longest packed sequence, ``D`` hidden):
+Stage tuples (``B`` batch, ``S`` the longest packed sequence, ``D`` hidden, ``L`` the longest caption):
 
 - embed: ``(packed latent [B, 1, n], timestep [B], Qwen3-VL states [B, L, text_dim], token counts [B, 1] int64,
-  sizes)`` -> ``(h [B, S, D], t_emb [B, 2, t_dim], audio [B, 32, 2, Ta] as the network reads it, meta, sizes)``
+  sizes, token tags [B, L] int64, keyframe latents...)`` -> ``(h [B, S, D], t_emb [B, 3, t_dim], audio
+  [B, 32, 2, Ta] as the network reads it, meta, sizes, token tags)``
 - each block: that tuple in and out;
 - final: -> the packed prediction ``[B, 1, n]``.
 
 The embed runs the text through ``condition_proj`` and the token refiner (``preprocess_text_embeds``, as
-``MiniMaxH3.extra_conds`` does); the cache holds the text encoder's states. Text-to-video-and-audio only: the
-first/last-frame (``MiniMaxH3ImageToVideo``, ``MiniMaxH3AddGuide``) and reference (``MiniMaxH3ReferenceToVideo``)
-modes add condition rows this family does not feed yet; a LoRA trained on T2VA is sampled by every mode. Blocks
-update the residual stream in place (``addcmul_`` on segment views): each runs on a private copy under
-:mod:`.out_of_place`. Only current ComfyUI has ``MiniMaxH3``.
+``MiniMaxH3.extra_conds`` does); the cache holds the text encoder's states.
+
+First/last-frame mode (``MiniMaxH3ImageToVideo`` with ``first_frame`` and ``last_frame``; the Cache node's
+``start_image = first_last_frames``, training/cache/start_image.py) adds what ComfyUI's ``PackedLayout`` calls
+keyframe condition rows: each frame's own VAE latent (``keyframe_first``, ``keyframe_last``), patchified with the
+condition noise augmentation of ``_cond_video_rows`` and packed between the text and the audio, at timestep
+``max(t_v, VISUAL_COND_TIMESTEP)``; the keyframes are never noised and predict nothing, so they are outside the
+loss. Their rotary positions anchor them at pixel frame 0 and at the clip's last frame (``Keyframes.anchors``). Both
+frames are in the prompt too, and the blocks modulate their vision tokens with the video row, as ComfyUI does with
+``minimax_token_tags``, which cross the stages with the hidden states. The reference mode
+(``MiniMaxH3ReferenceToVideo``) and ``MiniMaxH3AddGuide`` guides at other frames or with audio are not fed yet; a
+LoRA trained on T2VA or on first/last frames is sampled by every mode. Blocks update the residual stream in place
+(``addcmul_`` on segment views), so each runs on a private copy under :mod:`.out_of_place`. Only current ComfyUI has
+``MiniMaxH3``.
 """
 
 from __future__ import annotations
@@ -50,8 +60,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..cache.start_image import KEYFRAME_FIRST, KEYFRAME_LAST
+from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS, START_IMAGE_PROMPT
 from ..data.joint_latent import pack_streams, unpack_streams
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
@@ -66,6 +79,10 @@ _TARGETS = {
 }
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
 _TEXT_TAG, _VIDEO_TAG, _AUDIO_TAG = 1, 0, 2  # ComfyUI's modality tags of the AdaLN rows (``seg_tag``)
+KEYFRAMES = (KEYFRAME_FIRST, KEYFRAME_LAST)  # first_frame at pixel frame 0, last_frame at the last: ComfyUI's order
+TOKEN_TAGS = IMAGE_TOKEN_TAGS  # the text encoder's per-token modality tags (0 on an image's tokens, 1 on text)
+COND_SEED = 0  # the condition noise augmentation's seed: ``MiniMaxH3.extra_conds``' default (see ``_cond_rows``)
+_T_ROWS = 3  # distinct timesteps at most: video, audio, keyframe condition rows
 
 
 @dataclass(frozen=True)
@@ -99,28 +116,64 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 class _Sizes:
-    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, then the rotary ``inv_freq`` bits."""
+    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the keyframes (which of :data:`KEYFRAMES`
+    as bits, and their latent frames), then the rotary ``inv_freq`` bits."""
+
+    HEAD = 9
 
     @staticmethod
-    def make(v_shape: Sequence[int], a_shape: Sequence[int], inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
-        head = torch.tensor([*v_shape[1:], *a_shape[1:]], dtype=torch.int64)
+    def make(v_shape: Sequence[int], a_shape: Sequence[int], keyframes: Keyframes,
+             inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
+        head = torch.tensor([*v_shape[1:], *a_shape[1:], keyframes.which, keyframes.frames], dtype=torch.int64)
         return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
 
     @staticmethod
     def read(sizes: torch.Tensor, batch: int):
         v = [batch, *(int(s) for s in sizes[0:4])]
         a = [batch, *(int(s) for s in sizes[4:7])]
-        return v, a, sizes[7:]
+        return v, a, Keyframes(int(sizes[7]), int(sizes[8])), sizes[_Sizes.HEAD:]
+
+
+@dataclass(frozen=True)
+class Keyframes:
+    """Which keyframes condition the clip (bit ``i``: ``KEYFRAMES[i]``) and their latent frames (each is one image
+    encoded alone, as ``MiniMaxH3ImageToVideo`` encodes ``first_frame`` and ``last_frame``)."""
+
+    which: int = 0
+    frames: int = 0
+
+    @staticmethod
+    def of(extras: Mapping[str, torch.Tensor]) -> Keyframes:
+        which = sum(1 << i for i, name in enumerate(KEYFRAMES) if name in extras)
+        frames = {int(extras[name].shape[2]) for name in KEYFRAMES if name in extras}
+        if len(frames) > 1:
+            raise ValueError(f"MiniMax-H3 keyframe latents of {sorted(frames)} frames in one example: each keyframe is "
+                             "one image encoded alone; cache again.")
+        return Keyframes(which, frames.pop() if frames else 0)
+
+    def names(self) -> list[str]:
+        return [name for i, name in enumerate(KEYFRAMES) if self.which >> i & 1]
+
+    def anchors(self, latent_t: int) -> list[dict]:
+        """ComfyUI's ``minimax_keyframes`` entries for :class:`PackedLayout` (it reads each latent's frame count
+        only): ``first_frame`` at pixel frame 0, ``last_frame`` at the clip's last (``frame_count - 1``, the pixel
+        frames of ``latent_t`` latent frames, as ``MiniMaxH3AddGuide`` counts them)."""
+        from comfy.ldm.minimax.model import FRAME_PER_TOKEN
+
+        frame_count = sum(FRAME_PER_TOKEN[k % 5] for k in range(latent_t))
+        index = {KEYFRAME_FIRST: 0, KEYFRAME_LAST: frame_count - 1}
+        shape = torch.empty((1, 1, self.frames, 1, 1), device="meta")
+        return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
 
 
 class _Meta:
-    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video and the audio
-    timestep in its table of distinct timesteps, and that table's length (1 when both timesteps are equal)."""
+    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the
+    keyframe rows' timestep in its table of distinct timesteps (-1: no keyframes), and that table's length."""
 
     @staticmethod
-    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int]:
+    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int]:
         row = meta[i]
-        return int(row[0]), _from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[4])
+        return int(row[0]), _from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[5]), int(row[4])
 
 
 def _shifts(dm: nn.Module) -> tuple[float, float]:
@@ -134,11 +187,21 @@ def audio_scale(dm: nn.Module) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int):
-    """ComfyUI's ``PackedLayout`` of one example (text-to-video-and-audio: no keyframes, no references)."""
+def _layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int, keyframes: Keyframes = Keyframes()):
+    """ComfyUI's ``PackedLayout`` of one example: ``[text | keyframe rows | audio | video]`` (no references)."""
     from comfy.ldm.minimax.model import PackedLayout
 
-    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t)
+    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t, keyframes=keyframes.anchors(latent_t) or None)
+
+
+def _tag_runs(tags: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(start, stop, tag)`` of each run of equal modality tags, as ``_forward`` splits the text span."""
+    runs, start = [], 0
+    for i in range(1, len(tags) + 1):
+        if i == len(tags) or tags[i] != tags[start]:
+            runs.append((start, i, int(tags[start])))
+            start = i
+    return runs
 
 
 def _padded_spatial(v_shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
@@ -161,6 +224,7 @@ class MiniMaxH3Embed(StageLayer):
         self.shifts = _shifts(dm)
         self.scale = audio_scale(dm)
         self._preprocess_text = dm.preprocess_text_embeds
+        self._video_cond_rows = dm._cond_video_rows  # ComfyUI's, reading only the model's patch size
 
     def _t_emb(self, t_vals: torch.Tensor, dtype) -> torch.Tensor:
         """ComfyUI's table of the distinct timesteps' embeddings (time embedder, or the curve-form lerp)."""
@@ -173,10 +237,19 @@ class MiniMaxH3Embed(StageLayer):
         i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
         return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
 
-    def _example(self, vx, ax, timestep, context):
+    def _cond_rows(self, keyframes: Sequence[torch.Tensor], device) -> torch.Tensor | None:
+        """The keyframe latents as ComfyUI's ``_cond_video_rows`` makes them: patchified, with the condition noise
+        augmentation at ``VISUAL_COND_TIMESTEP`` (0.999 of the latent, 0.001 of seeded noise). At sampling its seed
+        is the sampler's noise seed, the same for every step; here it is ``MiniMaxH3.extra_conds``' default, 0, so a
+        keyframe trains on one fixed draw of that 0.1% noise, as one sampling run conditions on one."""
+        if not keyframes:
+            return None
+        return self._video_cond_rows({"cond_video_latents": list(keyframes), "seed": COND_SEED}, device)
+
+    def _example(self, vx, ax, timestep, context, marks: Keyframes, keyframes: Sequence[torch.Tensor]):
         """One example as ``MiniMaxH3Model.forward`` and ``_forward`` embed it: ``(h, t_emb, carried audio, meta)``."""
         import comfy.ldm.common_dit
-        from comfy.ldm.minimax.model import pack_audio, patchify_video, time_shift_sigma
+        from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, pack_audio, patchify_video, time_shift_sigma
 
         shift_v, shift_a = self.shifts
         sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
@@ -184,55 +257,89 @@ class MiniMaxH3Embed(StageLayer):
         if self.scale != 1.0:
             ax = ax * (sigma_a / sigma_v).to(ax.dtype)  # forward's undoing of the sampler's carry
         video_x = comfy.ldm.common_dit.pad_to_patch_size(vx, self.patch)
-        dtype = context.dtype
-        # ComfyUI takes both timesteps as Python floats and builds the table of the distinct ones from them; these are
+        dtype, device = context.dtype, context.device
+        layout = _layout(context.shape[1], *video_x.shape[2:], int(ax.shape[-1]), marks)
+        # ComfyUI takes the timesteps as Python floats and builds the table of the distinct ones from them; these are
         # the same float32 values, kept as tensors so that the table has the timestep's gradient path (a pipeline
-        # stage's every float output needs one)
-        times = {"v": (1.0 - sigma_v).view(1), "a": (1.0 - time_shift_sigma(sigma_v, shift_v, shift_a)).view(1)}
+        # stage's every float output needs one). Keyframe rows run at max(t_v, VISUAL_COND_TIMESTEP).
+        times = {"v": (1.0 - sigma_v).view(1), "a": (1.0 - sigma_a).view(1)}
         t_v, t_a = (float(times[k].detach()) for k in ("v", "a"))
-        unique_t = sorted({t_v, t_a})
-        video_embed = self.video_patch_proj(patchify_video(video_x.to(torch.float32), self.patch)).to(dtype)
+        by_value = {t_a: times["a"], t_v: times["v"]}
+        t_c = None
+        if keyframes:
+            t_c = max(t_v, VISUAL_COND_TIMESTEP)
+            by_value.setdefault(t_c, times["v"].clamp(min=VISUAL_COND_TIMESTEP))
+        unique_t = sorted(by_value)
+        video_rows = patchify_video(video_x.to(torch.float32), self.patch)
+        cond_rows = self._cond_rows(keyframes, device)
+        if cond_rows is not None:  # ComfyUI's placement of condition and target rows, then one projection of them all
+            update = layout.img_update.to(device)
+            rows = torch.empty(update.shape[0], video_rows.shape[1], dtype=torch.float32, device=device)
+            rows[~update] = cond_rows
+            rows[update] = video_rows
+            video_rows = rows
+        video_embed = self.video_patch_proj(video_rows).to(dtype)
         audio_embed = self.audio_patch_proj(pack_audio(ax.to(torch.float32))).to(dtype)
-        h = torch.cat([context[0], audio_embed, video_embed])  # the layout's segments: text | audio | video
-        by_value = {t_v: times["v"], t_a: times["a"]}
+        pieces, v_off, a_off = [], 0, 0
+        for start, stop, kind in layout.segments:  # the segments in order: text | keyframe rows | audio | video
+            n = stop - start
+            if kind == "text":
+                pieces.append(context[0])
+            elif kind in ("cond", "video"):
+                pieces.append(video_embed[v_off:v_off + n])
+                v_off += n
+            else:
+                pieces.append(audio_embed[a_off:a_off + n])
+                a_off += n
+        h = torch.cat(pieces)
         t_emb = self._t_emb(torch.cat([by_value[t] for t in unique_t]).to(device=h.device), dtype)
+        row_c = unique_t.index(t_c) if t_c is not None else -1
         meta = torch.cat([torch.tensor([context.shape[1]], dtype=torch.int64), _float_bits(sigma_v.view(1).detach()),
-                          torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t)], dtype=torch.int64)])
+                          torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t), row_c],
+                                       dtype=torch.int64)])
         return h, t_emb, ax, meta
 
     def forward(self, inputs):
-        packed, timestep, context, tokens, sizes = inputs
+        packed, timestep, context, tokens, sizes, tags, *keyframes = inputs
         b = packed.shape[0]
-        v_shape, a_shape, _ = _Sizes.read(sizes, b)
+        v_shape, a_shape, marks, _ = _Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
         rows = []
         for i in range(b):
             n = int(tokens[i, 0])
             text = self._preprocess_text(context[i:i + 1, :n])  # MiniMaxH3.extra_conds' step, at the caption's length
-            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text))
+            own = [k[i:i + 1] for k in keyframes]
+            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text, marks, own))
         longest = max(r[0].shape[0] for r in rows)
         h = torch.stack([nn.functional.pad(r[0], (0, 0, 0, longest - r[0].shape[0])) for r in rows])
-        t_emb = torch.stack([nn.functional.pad(r[1], (0, 0, 0, 2 - r[1].shape[0])) for r in rows])
+        t_emb = torch.stack([nn.functional.pad(r[1], (0, 0, 0, _T_ROWS - r[1].shape[0])) for r in rows])
         carried = torch.cat([r[2] for r in rows])
         meta = torch.stack([r[3] for r in rows])
         inv_freq = self.rope.inv_freq
-        return h, t_emb, carried, meta, _Sizes.make(v_shape, a_shape, _float_bits(inv_freq))
+        return h, t_emb, carried, meta, _Sizes.make(v_shape, a_shape, marks, _float_bits(inv_freq)), tags
 
 
 class _Example:
     """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
 
-    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, patch):
-        self.text_len, self.sigma_v, self.row_v, self.row_a, self.distinct = _Meta.read(meta, i)
+    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, keyframes: Keyframes, patch):
+        self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.distinct = _Meta.read(meta, i)
         t, h, w = _padded_spatial(v_shape, patch)
-        self.layout = _layout(self.text_len, t, h, w, int(a_shape[3]))
+        self.layout = _layout(self.text_len, t, h, w, int(a_shape[3]), keyframes)
         self.length = self.layout.seq_len
 
-    def mod_segments(self) -> list[tuple[int, int, int]]:
-        """ComfyUI's ``mod_segments`` of a plain-text T2VA layout: row ``3 * timestep row + modality tag``."""
-        rows = {"text": 3 * self.row_v + _TEXT_TAG, "audio": 3 * self.row_a + _AUDIO_TAG,
-                "video": 3 * self.row_v + _VIDEO_TAG}
-        return [(a, b, rows[kind]) for a, b, kind in self.layout.segments]
+    def mod_segments(self, tags: torch.Tensor) -> list[tuple[int, int, int]]:
+        """ComfyUI's ``mod_segments``: row ``3 * timestep row + modality tag`` per segment, the text span split into
+        runs of the text encoder's token tags (vision tokens carry the video tag)."""
+        rows = {"audio": 3 * self.row_a + _AUDIO_TAG, "video": 3 * self.row_v + _VIDEO_TAG,
+                "cond": 3 * self.row_c + _VIDEO_TAG}
+        out = []
+        for a, b, kind in self.layout.segments:
+            if kind == "text":
+                out.extend((a + s, a + e, 3 * self.row_v + tag) for s, e, tag in _tag_runs(tags[:b - a].tolist()))
+            else:
+                out.append((a, b, rows[kind]))
+        return out
 
 
 class MiniMaxH3Block(StageLayer):
@@ -253,19 +360,19 @@ class MiniMaxH3Block(StageLayer):
         return rope_rotation_table(self._rope_freqs(holder, layout.position_ids, device), dtype)
 
     def forward(self, inputs):
-        h, t_emb, carried, meta, sizes = inputs
+        h, t_emb, carried, meta, sizes, tags = inputs
         b = h.shape[0]
-        v_shape, a_shape, bits = _Sizes.read(sizes, b)
+        v_shape, a_shape, marks, bits = _Sizes.read(sizes, b)
         inv_freq = _from_bits(bits)
         outs = []
         for i in range(b):
-            ex = _Example(meta, i, v_shape, a_shape, self.patch)
+            ex = _Example(meta, i, v_shape, a_shape, marks, self.patch)
             x = h[i, :ex.length].clone()  # the block updates it in place: never the stage's input
             rope = self._rope(ex.layout, inv_freq, h.dtype, h.device)
             with OutOfPlaceResidualAdds(x, private=True, slices=True):
-                y = self.block(x, t_emb[i, :ex.distinct], ex.mod_segments(), rope, transformer_options={})
+                y = self.block(x, t_emb[i, :ex.distinct], ex.mod_segments(tags[i]), rope, transformer_options={})
             outs.append(nn.functional.pad(y, (0, 0, 0, h.shape[1] - ex.length)))
-        return torch.stack(outs), t_emb, carried, meta, sizes
+        return torch.stack(outs), t_emb, carried, meta, sizes, tags
 
 
 class MiniMaxH3Final(StageLayer):
@@ -282,13 +389,13 @@ class MiniMaxH3Final(StageLayer):
     def forward(self, inputs):
         from comfy.ldm.minimax.model import time_shift_sigma, unpack_audio, unpatchify_video
 
-        h, t_emb, carried, meta, sizes = inputs
+        h, t_emb, carried, meta, sizes, _ = inputs
         b = h.shape[0]
-        v_shape, a_shape, _ = _Sizes.read(sizes, b)
+        v_shape, a_shape, marks, _ = _Sizes.read(sizes, b)
         t, lat_h, lat_w = _padded_spatial(v_shape, self.patch)
         videos, audios = [], []
         for i in range(b):
-            ex = _Example(meta, i, v_shape, a_shape, self.patch)
+            ex = _Example(meta, i, v_shape, a_shape, marks, self.patch)
             va, vb, _ = ex.layout.segments[-1]
             aa, ab, _ = ex.layout.segments[-2]
             v, a = self.final_layer(h[i, :ex.length], t_emb[i, :ex.distinct], (va, vb, ex.row_v), (aa, ab, ex.row_a))
@@ -305,10 +412,12 @@ class MiniMaxH3Final(StageLayer):
 
 
 class MiniMaxH3Adapter:
-    """MiniMax-H3 text-to-video-and-audio on the joint latent ComfyUI samples."""
+    """MiniMax-H3 text-to-video-and-audio (and first/last-frame) on the joint latent ComfyUI samples."""
 
     name = FAMILY
     options_type = MiniMaxH3Options
+    text_extras = {TOKEN_TAGS: False}  # ComfyUI's encoder output, one tag per token (no batch axis)
+    start_image_prompt = MINIMAX_H3_FRAMES_PROMPT  # first/last-frame captions (training/cache/start_image_prompt.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = support_problem(diffusion_model)
@@ -343,9 +452,20 @@ class MiniMaxH3Adapter:
         return int(diffusion_model.condition_proj.in_features), 0
 
     def extras(self, diffusion_model: nn.Module) -> Mapping[str, ExtraSpec]:
+        """The audio latent; optionally the first/last-frame mode's keyframe latents and the text encoder's token tags
+        (an image in the prompt makes vision tokens, which the blocks modulate as video)."""
         dm = diffusion_model
-        return {AUDIO_LATENT: ExtraSpec(shape=(int(dm.audio_latents_dim), 2, "*"), source="latent", joins_latent=True,
-                                        description="the clip's stereo audio VAE latent, packed with the video latent")}
+        out = {AUDIO_LATENT: ExtraSpec(shape=(int(dm.audio_latents_dim), 2, "*"), source="latent", joins_latent=True,
+                                       description="the clip's stereo audio VAE latent, packed with the video latent"),
+               TOKEN_TAGS: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
+                                     description="the text encoder's modality tag of each token (0: an image's)")}
+        for name, frame in zip(KEYFRAMES, ("first", "last"), strict=True):
+            out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False,
+                                  description=f"the clip's {frame} frame encoded alone (MiniMaxH3ImageToVideo's "
+                                              f"{frame}_frame), a keyframe condition")
+        out[START_IMAGE_PROMPT] = ExtraSpec(shape=(1,), source="text", required=False,
+                                            description="the image tokens of the frames in the caption's prompt")
+        return out
 
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
         """Video tokens of the video latent (the joint latent's first stream)."""
@@ -359,8 +479,19 @@ class MiniMaxH3Adapter:
         if len(batch.latent_shapes) != 2:
             raise ValueError("MiniMax-H3 trains on the video and audio latents together; the batch has no audio latent.")
         v_shape, a_shape = batch.latent_shapes
-        tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * batch.noisy.shape[0], dtype=torch.int64)
-        return batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), _Sizes.make(v_shape, a_shape)
+        b = batch.noisy.shape[0]
+        tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * b, dtype=torch.int64)
+        tags = batch.extras.get(TOKEN_TAGS)
+        if tags is None:  # a caption encoded alone: every token is text
+            tags = torch.full((b, batch.cond.shape[1]), _TEXT_TAG, dtype=torch.int64)
+        marks = Keyframes.of(batch.extras)
+        keyframes = [batch.extras[name] for name in marks.names()]
+        if keyframes and START_IMAGE_PROMPT not in batch.extras:
+            raise ValueError("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in "
+                             "the prompt, which MiniMaxH3ImageToVideo always puts there: cache again with start_image "
+                             "first_last_frames and MiniMax-H3's text encoder on 'Cache Latents & Text'.")
+        return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), _Sizes.make(v_shape, a_shape, marks),
+                tags.to(torch.int64), *keyframes)
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
         return None
