@@ -201,6 +201,7 @@ EXAMPLES = {
     "pipetrainer_cosmos_predict2_i2v": ("CosmosPredict2", {"first_frame_clean": True}, set()),
     "pipetrainer_ltx2": ("LTX2", {}, {"audio_vae"}),
     "pipetrainer_minimax_h3": ("MiniMaxH3", {}, {"audio_vae"}),
+    "pipetrainer_minimax_h3_fl2va": ("MiniMaxH3", {}, {"audio_vae", "first_last_frames"}),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
@@ -257,6 +258,7 @@ def test_each_example_sets_its_family_options_and_data(api_file, object_info):
     start = cache["inputs"].get("start_image", "none")
     assert (start == "first_frame") == ("start_image" in needs)
     assert (start == "first_frame_alone") == ("start_image_alone" in needs)
+    assert (start == "first_last_frames") == ("first_last_frames" in needs)
     assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
     assert isinstance(cache["inputs"].get("audio_vae"), list) == ("audio_vae" in needs)
     assert isinstance(cache["inputs"].get("audio_encoder"), list) == ("audio_encoder" in needs)
