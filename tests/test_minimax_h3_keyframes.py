@@ -72,7 +72,7 @@ def test_the_trainer_anchors_the_last_frame_where_the_node_does(comfy_root, leng
     ``frame_count - 1`` for every clip length H3's VAE encodes (the cache cuts clips to 17k + 5 frames)."""
     require_model_class("MiniMaxH3", "in ComfyUI v0.33")
     from comfy_extras.nodes_minimax_h3 import temporal_shape
-    from pipetrainer.training.pipelines.minimax_h3 import Keyframes
+    from pipetrainer.training.pipelines.minimax_h3_layout import Keyframes
 
     frames, latent_t, _ = temporal_shape(length)
     anchors = Keyframes(which=3, frames=1).anchors(latent_t)

@@ -18,7 +18,7 @@ layer) on each example.
 
 ComfyUI's ``_forward`` takes batch size 1 and keeps Python-side structure across its blocks (the layout's segments,
 per-segment modulation rows, the table of distinct timesteps). Here every layer runs each example of a micro-batch
-alone, as ComfyUI would, and that structure crosses stage boundaries as integers: per example its caption's token
+alone, as ComfyUI would, and that structure crosses stage boundaries as integers (training/pipelines/minimax_h3_layout.py): per example its caption's token
 count, its sigma's float32 bits and the rows of its two timesteps (``meta``); the streams' shapes and the rotary
 frequencies' bits (``sizes``; rotary tables have no gradient, so they may not cross as float tensors). Examples whose
 captions differ in length have packed sequences of different lengths: each is zero-padded to the longest in the
@@ -51,7 +51,6 @@ LoRA trained on T2VA or on first/last frames is sampled by every mode. Blocks up
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,10 +59,20 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..cache.start_image import KEYFRAME_FIRST, KEYFRAME_LAST
 from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS, START_IMAGE_PROMPT
 from ..data.joint_latent import pack_streams, unpack_streams
 from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .minimax_h3_layout import (
+    KEYFRAMES,
+    TEXT_TAG,
+    ExampleStructure,
+    Keyframes,
+    Sizes,
+    float_bits,
+    from_bits,
+    packed_layout,
+    padded_spatial,
+)
 from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT
 from .out_of_place import OutOfPlaceResidualAdds
 
@@ -78,8 +87,6 @@ _TARGETS = {
     "all_linear": rf"{_BLOCKS}({_ATTENTION}|{_MLP}|adaln_proj\.linear)",
 }
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
-_TEXT_TAG, _VIDEO_TAG, _AUDIO_TAG = 1, 0, 2  # ComfyUI's modality tags of the AdaLN rows (``seg_tag``)
-KEYFRAMES = (KEYFRAME_FIRST, KEYFRAME_LAST)  # first_frame at pixel frame 0, last_frame at the last: ComfyUI's order
 TOKEN_TAGS = IMAGE_TOKEN_TAGS  # the text encoder's per-token modality tags (0 on an image's tokens, 1 on text)
 COND_SEED = 0  # the condition noise augmentation's seed: ``MiniMaxH3.extra_conds``' default (see ``_cond_rows``)
 _T_ROWS = 3  # distinct timesteps at most: video, audio, keyframe condition rows
@@ -106,76 +113,6 @@ def support_problem(dm: nn.Module) -> str | None:
     return None
 
 
-def _float_bits(values: torch.Tensor) -> torch.Tensor:
-    """float32 values as int64 (their exact bits), to cross a stage boundary without asking for a gradient."""
-    return values.detach().float().cpu().contiguous().view(torch.int32).to(torch.int64)
-
-
-def _from_bits(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).view(torch.float32)
-
-
-class _Sizes:
-    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the keyframes (which of :data:`KEYFRAMES`
-    as bits, and their latent frames), then the rotary ``inv_freq`` bits."""
-
-    HEAD = 9
-
-    @staticmethod
-    def make(v_shape: Sequence[int], a_shape: Sequence[int], keyframes: Keyframes,
-             inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
-        head = torch.tensor([*v_shape[1:], *a_shape[1:], keyframes.which, keyframes.frames], dtype=torch.int64)
-        return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
-
-    @staticmethod
-    def read(sizes: torch.Tensor, batch: int):
-        v = [batch, *(int(s) for s in sizes[0:4])]
-        a = [batch, *(int(s) for s in sizes[4:7])]
-        return v, a, Keyframes(int(sizes[7]), int(sizes[8])), sizes[_Sizes.HEAD:]
-
-
-@dataclass(frozen=True)
-class Keyframes:
-    """Which keyframes condition the clip (bit ``i``: ``KEYFRAMES[i]``) and their latent frames (each is one image
-    encoded alone, as ``MiniMaxH3ImageToVideo`` encodes ``first_frame`` and ``last_frame``)."""
-
-    which: int = 0
-    frames: int = 0
-
-    @staticmethod
-    def of(extras: Mapping[str, torch.Tensor]) -> Keyframes:
-        which = sum(1 << i for i, name in enumerate(KEYFRAMES) if name in extras)
-        frames = {int(extras[name].shape[2]) for name in KEYFRAMES if name in extras}
-        if len(frames) > 1:
-            raise ValueError(f"MiniMax-H3 keyframe latents of {sorted(frames)} frames in one example: each keyframe is "
-                             "one image encoded alone; cache again.")
-        return Keyframes(which, frames.pop() if frames else 0)
-
-    def names(self) -> list[str]:
-        return [name for i, name in enumerate(KEYFRAMES) if self.which >> i & 1]
-
-    def anchors(self, latent_t: int) -> list[dict]:
-        """ComfyUI's ``minimax_keyframes`` entries for :class:`PackedLayout` (it reads each latent's frame count
-        only): ``first_frame`` at pixel frame 0, ``last_frame`` at the clip's last (``frame_count - 1``, the pixel
-        frames of ``latent_t`` latent frames, as ``MiniMaxH3AddGuide`` counts them)."""
-        from comfy.ldm.minimax.model import FRAME_PER_TOKEN
-
-        frame_count = sum(FRAME_PER_TOKEN[k % 5] for k in range(latent_t))
-        index = {KEYFRAME_FIRST: 0, KEYFRAME_LAST: frame_count - 1}
-        shape = torch.empty((1, 1, self.frames, 1, 1), device="meta")
-        return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
-
-
-class _Meta:
-    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the
-    keyframe rows' timestep in its table of distinct timesteps (-1: no keyframes), and that table's length."""
-
-    @staticmethod
-    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int]:
-        row = meta[i]
-        return int(row[0]), _from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[5]), int(row[4])
-
-
 def _shifts(dm: nn.Module) -> tuple[float, float]:
     return float(dm.sigma_shift_video), float(dm.sigma_shift_audio)
 
@@ -184,29 +121,6 @@ def audio_scale(dm: nn.Module) -> float:
     """The scale ``ModelSamplingAV`` carries the audio at for this model's shifts (its ``audio_scale``)."""
     video, audio = _shifts(dm)
     return video / audio
-
-
-@functools.lru_cache(maxsize=16)
-def _layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int, keyframes: Keyframes = Keyframes()):
-    """ComfyUI's ``PackedLayout`` of one example: ``[text | keyframe rows | audio | video]`` (no references)."""
-    from comfy.ldm.minimax.model import PackedLayout
-
-    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t, keyframes=keyframes.anchors(latent_t) or None)
-
-
-def _tag_runs(tags: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(start, stop, tag)`` of each run of equal modality tags, as ``_forward`` splits the text span."""
-    runs, start = [], 0
-    for i in range(1, len(tags) + 1):
-        if i == len(tags) or tags[i] != tags[start]:
-            runs.append((start, i, int(tags[start])))
-            start = i
-    return runs
-
-
-def _padded_spatial(v_shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
-    """Latent ``(T, H, W)`` after ComfyUI's ``pad_to_patch_size``."""
-    return tuple(-(-int(s) // int(p)) * int(p) for s, p in zip(v_shape[2:], patch, strict=True))
 
 
 class MiniMaxH3Embed(StageLayer):
@@ -258,7 +172,7 @@ class MiniMaxH3Embed(StageLayer):
             ax = ax * (sigma_a / sigma_v).to(ax.dtype)  # forward's undoing of the sampler's carry
         video_x = comfy.ldm.common_dit.pad_to_patch_size(vx, self.patch)
         dtype, device = context.dtype, context.device
-        layout = _layout(context.shape[1], *video_x.shape[2:], int(ax.shape[-1]), marks)
+        layout = packed_layout(context.shape[1], *video_x.shape[2:], int(ax.shape[-1]), marks)
         # ComfyUI takes the timesteps as Python floats and builds the table of the distinct ones from them; these are
         # the same float32 values, kept as tensors so that the table has the timestep's gradient path (a pipeline
         # stage's every float output needs one). Keyframe rows run at max(t_v, VISUAL_COND_TIMESTEP).
@@ -294,7 +208,7 @@ class MiniMaxH3Embed(StageLayer):
         h = torch.cat(pieces)
         t_emb = self._t_emb(torch.cat([by_value[t] for t in unique_t]).to(device=h.device), dtype)
         row_c = unique_t.index(t_c) if t_c is not None else -1
-        meta = torch.cat([torch.tensor([context.shape[1]], dtype=torch.int64), _float_bits(sigma_v.view(1).detach()),
+        meta = torch.cat([torch.tensor([context.shape[1]], dtype=torch.int64), float_bits(sigma_v.view(1).detach()),
                           torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t), row_c],
                                        dtype=torch.int64)])
         return h, t_emb, ax, meta
@@ -302,7 +216,7 @@ class MiniMaxH3Embed(StageLayer):
     def forward(self, inputs):
         packed, timestep, context, tokens, sizes, tags, *keyframes = inputs
         b = packed.shape[0]
-        v_shape, a_shape, marks, _ = _Sizes.read(sizes, b)
+        v_shape, a_shape, marks, _ = Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
         rows = []
         for i in range(b):
@@ -316,30 +230,7 @@ class MiniMaxH3Embed(StageLayer):
         carried = torch.cat([r[2] for r in rows])
         meta = torch.stack([r[3] for r in rows])
         inv_freq = self.rope.inv_freq
-        return h, t_emb, carried, meta, _Sizes.make(v_shape, a_shape, marks, _float_bits(inv_freq)), tags
-
-
-class _Example:
-    """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
-
-    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, keyframes: Keyframes, patch):
-        self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.distinct = _Meta.read(meta, i)
-        t, h, w = _padded_spatial(v_shape, patch)
-        self.layout = _layout(self.text_len, t, h, w, int(a_shape[3]), keyframes)
-        self.length = self.layout.seq_len
-
-    def mod_segments(self, tags: torch.Tensor) -> list[tuple[int, int, int]]:
-        """ComfyUI's ``mod_segments``: row ``3 * timestep row + modality tag`` per segment, the text span split into
-        runs of the text encoder's token tags (vision tokens carry the video tag)."""
-        rows = {"audio": 3 * self.row_a + _AUDIO_TAG, "video": 3 * self.row_v + _VIDEO_TAG,
-                "cond": 3 * self.row_c + _VIDEO_TAG}
-        out = []
-        for a, b, kind in self.layout.segments:
-            if kind == "text":
-                out.extend((a + s, a + e, 3 * self.row_v + tag) for s, e, tag in _tag_runs(tags[:b - a].tolist()))
-            else:
-                out.append((a, b, rows[kind]))
-        return out
+        return h, t_emb, carried, meta, Sizes.make(v_shape, a_shape, marks, float_bits(inv_freq)), tags
 
 
 class MiniMaxH3Block(StageLayer):
@@ -362,11 +253,11 @@ class MiniMaxH3Block(StageLayer):
     def forward(self, inputs):
         h, t_emb, carried, meta, sizes, tags = inputs
         b = h.shape[0]
-        v_shape, a_shape, marks, bits = _Sizes.read(sizes, b)
-        inv_freq = _from_bits(bits)
+        v_shape, a_shape, marks, bits = Sizes.read(sizes, b)
+        inv_freq = from_bits(bits)
         outs = []
         for i in range(b):
-            ex = _Example(meta, i, v_shape, a_shape, marks, self.patch)
+            ex = ExampleStructure(meta, i, v_shape, a_shape, marks, self.patch)
             x = h[i, :ex.length].clone()  # the block updates it in place: never the stage's input
             rope = self._rope(ex.layout, inv_freq, h.dtype, h.device)
             with OutOfPlaceResidualAdds(x, private=True, slices=True):
@@ -391,11 +282,11 @@ class MiniMaxH3Final(StageLayer):
 
         h, t_emb, carried, meta, sizes, _ = inputs
         b = h.shape[0]
-        v_shape, a_shape, marks, _ = _Sizes.read(sizes, b)
-        t, lat_h, lat_w = _padded_spatial(v_shape, self.patch)
+        v_shape, a_shape, marks, _ = Sizes.read(sizes, b)
+        t, lat_h, lat_w = padded_spatial(v_shape, self.patch)
         videos, audios = [], []
         for i in range(b):
-            ex = _Example(meta, i, v_shape, a_shape, marks, self.patch)
+            ex = ExampleStructure(meta, i, v_shape, a_shape, marks, self.patch)
             va, vb, _ = ex.layout.segments[-1]
             aa, ab, _ = ex.layout.segments[-2]
             v, a = self.final_layer(h[i, :ex.length], t_emb[i, :ex.distinct], (va, vb, ex.row_v), (aa, ab, ex.row_a))
@@ -483,14 +374,14 @@ class MiniMaxH3Adapter:
         tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * b, dtype=torch.int64)
         tags = batch.extras.get(TOKEN_TAGS)
         if tags is None:  # a caption encoded alone: every token is text
-            tags = torch.full((b, batch.cond.shape[1]), _TEXT_TAG, dtype=torch.int64)
+            tags = torch.full((b, batch.cond.shape[1]), TEXT_TAG, dtype=torch.int64)
         marks = Keyframes.of(batch.extras)
         keyframes = [batch.extras[name] for name in marks.names()]
         if keyframes and START_IMAGE_PROMPT not in batch.extras:
             raise ValueError("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in "
                              "the prompt, which MiniMaxH3ImageToVideo always puts there: cache again with start_image "
                              "first_last_frames and MiniMax-H3's text encoder on 'Cache Latents & Text'.")
-        return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), _Sizes.make(v_shape, a_shape, marks),
+        return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), Sizes.make(v_shape, a_shape, marks),
                 tags.to(torch.int64), *keyframes)
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:

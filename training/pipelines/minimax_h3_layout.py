@@ -1,0 +1,139 @@
+"""MiniMax-H3's per-example structure as it crosses pipeline stage boundaries.
+
+ComfyUI's ``MiniMaxH3Model._forward`` keeps Python-side structure across its blocks: the packed sequence's
+``PackedLayout`` (its segments and rotary positions), the table of distinct timesteps and each segment's row in it,
+the text encoder's token tags. A pipeline stage may only send tensors, and every float tensor it sends needs a
+gradient path, so that structure crosses as int64 here: the streams' shapes, the keyframes and the rotary
+frequencies' bits (:class:`Sizes`), per example the caption length, the sigma's bits and the timestep rows
+(:class:`Meta`). Each stage rebuilds ComfyUI's layout from them (:func:`packed_layout`, cached) and so runs exactly
+the structure ComfyUI builds for the example alone. training/pipelines/minimax_h3.py uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.start_image import KEYFRAME_FIRST, KEYFRAME_LAST
+
+KEYFRAMES = (KEYFRAME_FIRST, KEYFRAME_LAST)  # first_frame at pixel frame 0, last_frame at the last: ComfyUI's order
+TEXT_TAG, VIDEO_TAG, AUDIO_TAG = 1, 0, 2  # ComfyUI's modality tags of the AdaLN rows (``seg_tag``)
+
+
+def float_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as int64 (their exact bits), to cross a stage boundary without asking for a gradient."""
+    return values.detach().float().cpu().contiguous().view(torch.int32).to(torch.int64)
+
+
+def from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+class Sizes:
+    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the keyframes (which of :data:`KEYFRAMES`
+    as bits, and their latent frames), then the rotary ``inv_freq`` bits."""
+
+    HEAD = 9
+
+    @staticmethod
+    def make(v_shape: Sequence[int], a_shape: Sequence[int], keyframes: Keyframes,
+             inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
+        head = torch.tensor([*v_shape[1:], *a_shape[1:], keyframes.which, keyframes.frames], dtype=torch.int64)
+        return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
+
+    @staticmethod
+    def read(sizes: torch.Tensor, batch: int):
+        v = [batch, *(int(s) for s in sizes[0:4])]
+        a = [batch, *(int(s) for s in sizes[4:7])]
+        return v, a, Keyframes(int(sizes[7]), int(sizes[8])), sizes[Sizes.HEAD:]
+
+
+@dataclass(frozen=True)
+class Keyframes:
+    """Which keyframes condition the clip (bit ``i``: ``KEYFRAMES[i]``) and their latent frames (each is one image
+    encoded alone, as ``MiniMaxH3ImageToVideo`` encodes ``first_frame`` and ``last_frame``)."""
+
+    which: int = 0
+    frames: int = 0
+
+    @staticmethod
+    def of(extras: Mapping[str, torch.Tensor]) -> Keyframes:
+        which = sum(1 << i for i, name in enumerate(KEYFRAMES) if name in extras)
+        frames = {int(extras[name].shape[2]) for name in KEYFRAMES if name in extras}
+        if len(frames) > 1:
+            raise ValueError(f"MiniMax-H3 keyframe latents of {sorted(frames)} frames in one example: each keyframe is "
+                             "one image encoded alone; cache again.")
+        return Keyframes(which, frames.pop() if frames else 0)
+
+    def names(self) -> list[str]:
+        return [name for i, name in enumerate(KEYFRAMES) if self.which >> i & 1]
+
+    def anchors(self, latent_t: int) -> list[dict]:
+        """ComfyUI's ``minimax_keyframes`` entries for :class:`PackedLayout` (it reads each latent's frame count
+        only): ``first_frame`` at pixel frame 0, ``last_frame`` at the clip's last (``frame_count - 1``, the pixel
+        frames of ``latent_t`` latent frames, as ``MiniMaxH3AddGuide`` counts them)."""
+        from comfy.ldm.minimax.model import FRAME_PER_TOKEN
+
+        frame_count = sum(FRAME_PER_TOKEN[k % 5] for k in range(latent_t))
+        index = {KEYFRAME_FIRST: 0, KEYFRAME_LAST: frame_count - 1}
+        shape = torch.empty((1, 1, self.frames, 1, 1), device="meta")
+        return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
+
+
+class Meta:
+    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the
+    keyframe rows' timestep in its table of distinct timesteps (-1: no keyframes), and that table's length."""
+
+    @staticmethod
+    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int]:
+        row = meta[i]
+        return int(row[0]), from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[5]), int(row[4])
+
+
+@functools.lru_cache(maxsize=16)
+def packed_layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int, keyframes: Keyframes = Keyframes()):
+    """ComfyUI's ``PackedLayout`` of one example: ``[text | keyframe rows | audio | video]`` (no references)."""
+    from comfy.ldm.minimax.model import PackedLayout
+
+    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t, keyframes=keyframes.anchors(latent_t) or None)
+
+
+def tag_runs(tags: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(start, stop, tag)`` of each run of equal modality tags, as ``_forward`` splits the text span."""
+    runs, start = [], 0
+    for i in range(1, len(tags) + 1):
+        if i == len(tags) or tags[i] != tags[start]:
+            runs.append((start, i, int(tags[start])))
+            start = i
+    return runs
+
+
+def padded_spatial(v_shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
+    """Latent ``(T, H, W)`` after ComfyUI's ``pad_to_patch_size``."""
+    return tuple(-(-int(s) // int(p)) * int(p) for s, p in zip(v_shape[2:], patch, strict=True))
+
+
+class ExampleStructure:
+    """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
+
+    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, keyframes: Keyframes, patch):
+        self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.distinct = Meta.read(meta, i)
+        t, h, w = padded_spatial(v_shape, patch)
+        self.layout = packed_layout(self.text_len, t, h, w, int(a_shape[3]), keyframes)
+        self.length = self.layout.seq_len
+
+    def mod_segments(self, tags: torch.Tensor) -> list[tuple[int, int, int]]:
+        """ComfyUI's ``mod_segments``: row ``3 * timestep row + modality tag`` per segment, the text span split into
+        runs of the text encoder's token tags (vision tokens carry the video tag)."""
+        rows = {"audio": 3 * self.row_a + AUDIO_TAG, "video": 3 * self.row_v + VIDEO_TAG,
+                "cond": 3 * self.row_c + VIDEO_TAG}
+        out = []
+        for a, b, kind in self.layout.segments:
+            if kind == "text":
+                out.extend((a + s, a + e, 3 * self.row_v + tag) for s, e, tag in tag_runs(tags[:b - a].tolist()))
+            else:
+                out.append((a, b, rows[kind]))
+        return out
