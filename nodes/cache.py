@@ -67,9 +67,9 @@ class PipeTrainerCache(io.ComfyNode):
                                             "(HunyuanVideo I2V: into the prompt). Wan 2.2 / SkyReels: none."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
-                               tooltip="Edit datasets with an image-reading text encoder (Qwen-Image-Edit): "
-                                       "encode each caption with its references as your text-encode node does "
-                                       "(edit_plus / edit); auto picks. README: Cache."),
+                               tooltip="Reference images with an image-reading text encoder (Qwen-Image-Edit, "
+                                       "MiniMax-H3): each caption encoded with its references as your node does "
+                                       "(edit_plus, edit, minimax_h3_references); auto picks."),
                 io.Combo.Input("vace_control", options=list(VACE_CONTROL_MODES), default="off", optional=True,
                                tooltip="Wan 2.1 VACE: on caches each clip's controls (name.mp4, name.2.mp4..., "
                                        "masks, name_ref.png) as WanVaceToVideo builds them; images train as "

@@ -204,7 +204,7 @@ def test_the_cache_node_encodes_with_references_by_default_and_refuses_a_mismatc
     vae, clip_l = encoders
     schema = PipeTrainerCache.define_schema()
     option = next(i for i in schema.inputs if i.id == "reference_in_prompt")
-    assert option.options == ["auto", "off", "edit_plus", "edit"] and option.default == "auto"
+    assert option.options == ["auto", "off", "minimax_h3_references", "edit_plus", "edit"] and option.default == "auto"
     root, base = edit_base
     with pytest.raises(ValueError, match="takes no images"):
         PipeTrainerCache.execute(_dataset(root), vae, clip_l, reference_in_prompt="edit_plus")

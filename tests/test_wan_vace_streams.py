@@ -75,6 +75,10 @@ def test_an_image_folder_is_vace_when_a_file_has_a_vace_only_name():
     assert is_control_dataset(["cat.png"], ["cat.png", "cat_mask.png"], VIDEO)
     assert is_control_dataset(["cat.png"], ["cat.png", "cat.2.png"], VIDEO)
     assert not is_control_dataset(["cat.png", "cat_ref.png"], ["cat.png", "cat_ref.png"], VIDEO)  # their own stems
+    # clips: a video control is VACE; plain images are reference pictures (an image never controls a clip)
+    assert is_control_dataset(["cat.mp4"], ["cat.mp4"], VIDEO)
+    assert is_control_dataset(["cat.mp4"], ["cat_ref.png"], VIDEO)
+    assert not is_control_dataset(["cat.mp4"], ["cat.png", "cat_1.png"], VIDEO)
 
 
 def test_a_reference_frame_is_left_out_of_the_loss():

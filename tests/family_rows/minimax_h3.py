@@ -72,6 +72,27 @@ def h3_keyframe_kwargs(cond, pooled, options, extras):
     return kwargs
 
 
+REFERENCES = ((24, 4, 4), (24, 2, 6))  # two reference images, each at its own latent size [C, h, w]
+
+
+def _reference_extras(model, x0, g):
+    """Reference mode (MiniMaxH3ReferenceToVideo with two ref_images): each reference's latent at its own size and
+    the prompt's token tags (the pictures' vision tokens) beside the audio latent."""
+    refs = {f"reference_{i}": torch.randn(1, *shape, generator=g) for i, shape in enumerate(REFERENCES)}
+    return {**_extras(model, x0, g), **refs, "minimax_token_tags": torch.tensor([TAGS], dtype=torch.int64)}
+
+
+def h3_reference_kwargs(cond, pooled, options, extras):
+    """What ``MiniMaxH3.extra_conds`` hands the model for ``minimax_refs`` of kind ``image`` (each one frame at its
+    latent size, packed after the text and ahead of the targets' timeline) and ``minimax_token_tags``."""
+    kwargs = h3_kwargs(cond, pooled, options, extras)
+    refs = [{"kind": "image", "latent_h": shape[1], "latent_w": shape[2], "latent": extras[f"reference_{i}"][:, :, None]}
+            for i, shape in enumerate(REFERENCES)]
+    kwargs["minimax_payload"].update(refs=refs, cond_video_latents=[r["latent"] for r in refs],
+                                     text_token_tags=extras["minimax_token_tags"][0])
+    return kwargs
+
+
 ROWS = [
     Row("MiniMaxH3", "ComfyUI's MiniMaxH3 config class, 32 wide (the real model: 5376, 33 B), in memory",
         load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=5, comfy_kwargs=h3_kwargs,
@@ -79,4 +100,7 @@ ROWS = [
     Row("MiniMaxH3", "the same model in first/last-frame mode: keyframe condition rows and an image's vision tokens in "
         "the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
         comfy_kwargs=h3_keyframe_kwargs, extras=_keyframe_extras, id="MiniMaxH3 keyframes"),
+    Row("MiniMaxH3", "the same model in reference mode: two reference images' condition rows, each at its own size, "
+        "and their vision tokens in the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT,
+        tokens=len(TAGS), comfy_kwargs=h3_reference_kwargs, extras=_reference_extras, id="MiniMaxH3 references"),
 ]

@@ -159,6 +159,7 @@ class ItemPlan:
     texts: KeyedTexts = ()  # (key, text) of each tag-shuffle variant, text_key's first
     variant: int = 0  # which variant this plan encodes (its text slot); -1: the empty caption
     variants_sig: str = ""  # keys.variants_signature of its flip and mask latents ("" = none)
+    prompt_sig: str = ""  # keys.prompt_signature its texts were keyed with when its references join them ("" = none)
 
     @property
     def text(self) -> str:
@@ -196,8 +197,9 @@ def empty_caption_plans(planned: list[ItemPlan], captions: CaptionOptions, folde
                                  text_key=key, texts=((key, empty),), variant=-1, references=())
     out: list[ItemPlan | None] = []
     for p in planned:
-        if prompt_references(p.references, bool(prompt_sig)):
-            own = keyed_texts((empty,), text_sig, text_dtype, prompt_sig, p.references)
+        sig = p.prompt_sig or prompt_sig  # a style that sizes references against the bucket keys each bucket
+        if prompt_references(p.references, bool(sig)):
+            own = keyed_texts((empty,), text_sig, text_dtype, sig, p.references)
             out.append(dataclasses.replace(p, text_key=own[0][0], texts=own, variant=-1))
         else:
             out.append(shared)

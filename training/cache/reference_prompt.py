@@ -37,16 +37,28 @@ class PromptStyle:
 
     ``conditioning(clip, caption, images)`` returns that node's CONDITIONING for the caption and the images
     (``[1, H, W, 3]`` each, in reference order) without a VAE (the cache encodes the reference latents
-    itself). ``version`` is part of the text key: bump it when ``conditioning`` changes what it encodes."""
+    itself). ``version`` is part of the text key: bump it when ``conditioning`` changes what it encodes.
+
+    ``size(image, width, height)``, where the node sizes each reference against the target it generates
+    (``width`` x ``height``, the item's bucket) before it both prompts with it and VAE-encodes it: the
+    pixels it prompts with and encodes. The cache then encodes each reference latent at that size, and the
+    bucket joins the text key and the latent key. Without it a reference latent covers the item's bucket
+    and the node is given the reference whole."""
 
     name: str  # the Cache node's option value
     node: str  # the ComfyUI node whose conditioning it is
     max_images: int
     version: int
     conditioning: Callable[[object, str, list[torch.Tensor]], list]
+    size: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
 
     def identity(self) -> dict[str, object]:
         return {"style": self.name, "node": self.node, "v": self.version}
+
+    def identity_at(self, width: int, height: int) -> dict[str, object]:
+        """The identity of captions and references encoded for a ``width`` x ``height`` target: the bucket
+        counts only for a style that sizes its references against it."""
+        return {**self.identity(), "target": [width, height]} if self.size else self.identity()
 
 
 def _adapters() -> list:

@@ -6,12 +6,8 @@ nothing is re-encoded); keys are recomputed from their components (see keys.py) 
 index; only shards whose size or mtime changed since they were last known good are checksummed again.
 Several processes may fill one cache: each key is claimed before encoding, so it is encoded once.
 
-Reference images (edit datasets) are encoded with the same VAE into the item's latent entry as
-``reference_0``, ``reference_1``, ... (raw latents ``[C, h, w]``). Each is resized to cover the item's
-own bucket and center-cropped like the item, so it has the target's latent size: the references of
-one bucket stack into a micro-batch without padding, and the edit models (Kontext, Qwen-Image-Edit)
-take a reference of the target's size. Their content digests are part of the latent key: a changed
-reference re-encodes exactly its item (target and references, one entry).
+Reference images (the Dataset's control folder) are encoded with the same VAE into the item's latent entry
+(reference_images.py: at the item's bucket, or at the size the reference-in-prompt style's node gives them).
 
 Image-to-video items (the Cache node's ``start_image``, see start_image.py) get their start-image
 conditioning (``concat_latent``, and ``clip_fea`` with a CLIP-vision model) in the same latent entry.
@@ -36,7 +32,6 @@ from pathlib import Path
 
 from ..data.dataset import DatasetSpec, ImageEntry
 from ..data.media_probe import Probe, probe_image, probe_video
-from ..pipelines.base import reference_extra
 from ..spec.options import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
 from .clip_sound import ClipSound
@@ -57,7 +52,8 @@ from .masks import encode_variants, mask_size_problem
 from .media import load_image, load_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
-from .reference_prompt import PromptStyle, load_reference
+from .reference_images import ReferenceImages
+from .reference_prompt import PromptStyle
 from .report import CacheReport
 from .s2v_sound import S2VSound
 from .shards import ShardWriter, checksum, pack
@@ -129,6 +125,7 @@ class _Filler:
         self.root = root
         self.reference_prompt = reference_prompt
         self.prompt_sig = prompt_signature(reference_prompt.identity() if reference_prompt else None)
+        self.references = ReferenceImages(reference_prompt)
         self.start_image = start_image or StartImage()
         # HunyuanVideoI2V: the CLIP vision model goes into each caption's prompt, not the latent entry
         self.start_prompt, self.start_image = start_image_prompt_for(self.start_image, getattr(encoders, "clip", None))
@@ -224,6 +221,11 @@ class _Filler:
         if caches_flip(self.dataset.flip) and self.start_image.identity():
             raise ValueError("flip cannot be combined with start-image conditioning (the start image would need "
                              "the same mirror): set the Dataset's flip to 'none' or the Cache's start_image off.")
+        if self.start_prompt is not None and self.reference_prompt is not None:
+            raise ValueError(f"start_image {self.start_image.mode} puts the start frames into the prompt as ComfyUI's "
+                             f"{self.start_prompt.style.node} does, and reference_in_prompt {self.reference_prompt.name} the "
+                             f"reference images as {self.reference_prompt.node} does; no node does both: set the Cache's "
+                             "start_image off, or reference_in_prompt off, or clear the Dataset's control_folder.")
         plan = plan_buckets(s)
         self.report.notes.extend(plan.notes)
         if self.reference_prompt is not None:
@@ -272,26 +274,28 @@ class _Filler:
                 if lost > CROP_NOTE_THRESHOLD:
                     self.report.notes.append(f"{name}: {lost:.0%} of the picture is cropped away to fit bucket "
                                              f"{bucket.name}; widen min/max ratio or add buckets to keep it.")
-                for ref_path, (_, ref_probe) in zip(entry.references, refs, strict=True):
-                    lost = crop_fraction(ref_probe.width, ref_probe.height, bucket)
-                    if lost > CROP_NOTE_THRESHOLD:
-                        self.report.notes.append(
-                            f"{os.path.basename(ref_path)} (reference of {name}): {lost:.0%} is cropped away to fit "
-                            f"its target's bucket {bucket.name}; give references the target's aspect ratio.")
+                self.report.notes.extend(self.references.crop_notes(name, entry.references, [p for _, p in refs],
+                                                                    bucket, CROP_NOTE_THRESHOLD))
                 if bucket not in preps:
                     prep = {"width": bucket.width, "height": bucket.height, "frames": frames, "crop": "center",
                             "resize": "lanczos", "fps": s.fps if video else None}
                     if self.prep_extras:  # in the key only for the families that ask (prep_extras.py)
                         prep["extras"] = extras_signature(self.prep_extras)
+                    prep.update(self.references.prep())  # how a style's node sizes the references, if it does
                     preps[bucket] = (prep, prep_signature(prep))
                 prep, sig = preps[bucket]
                 if self.start_prompt is not None:  # the start image at this bucket is in the prompt
                     texts = self.start_prompt.keyed(caption_texts(self.dataset.captions, entry.caption), text_sig,
                                                     self.text_dtype, (digest, sig))
                     tkey = texts[0][0]
+                prompt_sig = self.references.prompt_signature(bucket, self.prompt_sig)
+                if prompt_sig != self.prompt_sig and ref_digests:  # references in the prompt sized for this bucket
+                    texts = keyed_texts(caption_texts(self.dataset.captions, entry.caption), text_sig,
+                                        self.text_dtype, prompt_sig, ref_digests)
+                    tkey = texts[0][0]
                 out.append(ItemPlan(entry, i, bucket, digest, prep,
                                     latent_key(digest, sig, vae_id, ref_digests, start_sig, variants_sig), tkey,
-                                    ref_digests, texts, variants_sig=variants_sig))
+                                    ref_digests, texts, variants_sig=variants_sig, prompt_sig=prompt_sig))
         for silent in (self.sound.note(), self.s2v.note()):
             if silent:
                 self.report.notes.append(silent)
@@ -309,7 +313,8 @@ class _Filler:
         if kind == "latent":
             return latent_components(p.digest, p.prep, self.encoders.latent_identity(), p.references,
                                      self.start_image.identity(), json.loads(p.variants_sig or "{}"))
-        prompted = (self.reference_prompt.identity(), p.references) if self.prompt_sig and p.references else ()
+        prompted = ((self.reference_prompt.identity_at(p.bucket.width, p.bucket.height), p.references)
+                    if self.prompt_sig and p.references else ())
         if self.start_prompt is not None:
             prompted = (self.start_prompt.identity(), self.start_prompt.image_of(p))
         return text_components(p.text, self.encoders.text_identity(), self.text_dtype, *prompted)
@@ -325,7 +330,7 @@ class _Filler:
             tensors = {"latent": self.encoders.encode_latent(pixels)}
             tensors.update(encode_variants(pixels, tensors["latent"], self.dataset.flip, self.dataset.mask,
                                            planned.entry.path, planned.entry.mask, b, self.encoders.encode_latent))
-            tensors.update(self._encode_references(planned))
+            tensors.update(self.references.encode(planned.entry.references, b, self.encoders.encode_latent))
             tensors.update(self._prep_extras_of(planned))
             tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
             tensors.update(self.vace.encode(planned.entry, b, self.settings.fps, tensors))
@@ -346,21 +351,8 @@ class _Filler:
             return self.start_prompt.encode_item(self.encoders.clip, planned, self.settings.fps)
         if not (self.prompt_sig and planned.references):
             return self.encoders.encode_text(planned.text)
-        images = [load_reference(path) for path in planned.entry.references]
+        images = [self.references.prompt_pixels(path, planned.bucket) for path in planned.entry.references]
         return self.encoders.encode_text_with_references(planned.text, images, self.reference_prompt)
-
-    def _encode_references(self, planned: ItemPlan) -> dict[str, object]:
-        """Each reference resized to cover the item's bucket (one frame), encoded like an image item."""
-        size = Bucket(planned.bucket.width, planned.bucket.height)
-        out = {}
-        for i, path in enumerate(planned.entry.references):
-            try:
-                pixels = load_image(path, size)
-            except Exception as exc:  # noqa: BLE001 - named in the skip reason instead of the item's own file
-                raise ValueError(f"reference {os.path.basename(path)}: {type(exc).__name__}: {exc}") from exc
-            latent = self.encoders.encode_latent(pixels)
-            out[reference_extra(i)] = latent[:, 0] if latent.ndim == 4 and latent.shape[1] == 1 else latent
-        return out
 
     @property
     def prep_extras(self) -> dict:

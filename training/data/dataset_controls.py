@@ -16,9 +16,9 @@ training/cache/vace_control.py reads it. ``ImageEntry.controls`` holds the paths
 (control, then its mask), then the reference; :func:`control_set` reads the roles back from the names.
 
 Which pairing a control folder gets is read from the files, so the Dataset node needs no new setting and
-edit datasets pair as they always did: a control folder with a video (among the training or control files)
-or a file with a VACE-only name (a mask, a reference, a stream 2...) is a VACE one; any other image-only one
-pairs edit reference images (dataset.pair_references). Such a folder of plain ``name.png`` controls is
+edit datasets pair as they always did: a control folder with a video or a file with a VACE-only name (a mask,
+a reference, a stream 2...) is a VACE one; any other image-only one pairs reference images
+(dataset.pair_references), also for clips (MiniMax-H3's reference pictures). Such a folder of plain ``name.png`` controls is
 read as VACE control images by the Cache node when its ``vace_control`` is on
 (vace_control.VaceControl.dataset): image items train as 1-frame clips.
 
@@ -94,9 +94,11 @@ def control_set(training_path: str, controls: tuple[str, ...]) -> ControlSet:
 
 
 def is_control_dataset(training: list[str], control_files: list[str], video_extensions: tuple[str, ...]) -> bool:
-    """Whether a control folder holds VACE controls (a video among the training or control files, or a file
-    with a VACE-only name) rather than the reference images of an edit dataset."""
-    if any(n.lower().endswith(video_extensions) for n in (*training, *control_files)):
+    """Whether a control folder holds VACE controls (a video among the control files, or a file with a VACE-only
+    name) rather than reference images (an edit dataset's, or the reference pictures of MiniMax-H3's clips): plain
+    images pair as references even for clips, where they could never be VACE controls (an image controls an image
+    item only)."""
+    if any(n.lower().endswith(video_extensions) for n in control_files):
         return True
     stems = {_stem(n) for n in training}
     return any((role := control_role(n, stems)) is not None and (role[1] != 1 or role[2] != "control")

@@ -42,9 +42,14 @@ condition noise augmentation of ``_cond_video_rows`` and packed between the text
 ``max(t_v, VISUAL_COND_TIMESTEP)``; the keyframes are never noised and predict nothing, so they are outside the
 loss. Their rotary positions anchor them at pixel frame 0 and at the clip's last frame (``Keyframes.anchors``). Both
 frames are in the prompt too, and the blocks modulate their vision tokens with the video row, as ComfyUI does with
-``minimax_token_tags``, which cross the stages with the hidden states. The reference mode
-(``MiniMaxH3ReferenceToVideo``) and ``MiniMaxH3AddGuide`` guides at other frames or with audio are not fed yet; a
-LoRA trained on T2VA or on first/last frames is sampled by every mode. Blocks update the residual stream in place
+``minimax_token_tags``, which cross the stages with the hidden states.
+
+Reference mode (``MiniMaxH3ReferenceToVideo`` with ``ref_images``; a Dataset control folder of reference pictures
+and the Cache node's ``reference_in_prompt``, training/pipelines/minimax_h3_prompt.py) adds ``ref_img`` condition
+rows the same way: each picture's latent at its own size (``reference_0``...), after the keyframe rows, each one
+shifting the targets' rotary timeline by one, as ``PackedLayout`` packs ``minimax_refs`` of kind ``image``; the
+pictures are in the prompt too. Reference videos and audio and ``MiniMaxH3AddGuide`` guides at other frames or with
+audio are not fed yet; a LoRA trained in any mode is sampled by every mode. Blocks update the residual stream in place
 (``addcmul_`` on segment views), so each runs on a private copy under :mod:`.out_of_place`. Only current ComfyUI has
 ``MiniMaxH3``.
 """
@@ -61,19 +66,20 @@ from torch import nn
 
 from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS, START_IMAGE_PROMPT
 from ..data.joint_latent import pack_streams, unpack_streams
-from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
 from .minimax_h3_layout import (
     KEYFRAMES,
     TEXT_TAG,
+    VIDEO_TAG,
+    Conditions,
     ExampleStructure,
-    Keyframes,
     Sizes,
     float_bits,
     from_bits,
     packed_layout,
     padded_spatial,
 )
-from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT
+from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, REFERENCES_STYLE, takes_frames
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
@@ -87,9 +93,9 @@ _TARGETS = {
     "all_linear": rf"{_BLOCKS}({_ATTENTION}|{_MLP}|adaln_proj\.linear)",
 }
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
-TOKEN_TAGS = IMAGE_TOKEN_TAGS  # the text encoder's per-token modality tags (0 on an image's tokens, 1 on text)
 COND_SEED = 0  # the condition noise augmentation's seed: ``MiniMaxH3.extra_conds``' default (see ``_cond_rows``)
-_T_ROWS = 3  # distinct timesteps at most: video, audio, keyframe condition rows
+_T_ROWS = 3  # distinct timesteps at most: video, audio, condition rows (keyframes, references)
+MAX_REFERENCES = 9  # MiniMaxH3ReferenceToVideo's ref_images
 
 
 @dataclass(frozen=True)
@@ -151,16 +157,16 @@ class MiniMaxH3Embed(StageLayer):
         i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
         return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
 
-    def _cond_rows(self, keyframes: Sequence[torch.Tensor], device) -> torch.Tensor | None:
-        """The keyframe latents as ComfyUI's ``_cond_video_rows`` makes them: patchified, with the condition noise
-        augmentation at ``VISUAL_COND_TIMESTEP`` (0.999 of the latent, 0.001 of seeded noise). At sampling its seed
-        is the sampler's noise seed, the same for every step; here it is ``MiniMaxH3.extra_conds``' default, 0, so a
-        keyframe trains on one fixed draw of that 0.1% noise, as one sampling run conditions on one."""
-        if not keyframes:
+    def _cond_rows(self, latents: Sequence[torch.Tensor], device) -> torch.Tensor | None:
+        """The keyframe and reference latents as ComfyUI's ``_cond_video_rows`` makes them: patchified, with the
+        condition noise augmentation at ``VISUAL_COND_TIMESTEP`` (0.999 of the latent, 0.001 of seeded noise). At
+        sampling its seed is the sampler's noise seed, the same for every step; here it is ``MiniMaxH3.extra_conds``'
+        default, 0, so a condition trains on one fixed draw of that 0.1% noise, as one sampling run conditions on one."""
+        if not latents:
             return None
-        return self._video_cond_rows({"cond_video_latents": list(keyframes), "seed": COND_SEED}, device)
+        return self._video_cond_rows({"cond_video_latents": list(latents), "seed": COND_SEED}, device)
 
-    def _example(self, vx, ax, timestep, context, marks: Keyframes, keyframes: Sequence[torch.Tensor]):
+    def _example(self, vx, ax, timestep, context, conditions: Conditions, latents: Sequence[torch.Tensor]):
         """One example as ``MiniMaxH3Model.forward`` and ``_forward`` embed it: ``(h, t_emb, carried audio, meta)``."""
         import comfy.ldm.common_dit
         from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, pack_audio, patchify_video, time_shift_sigma
@@ -172,20 +178,20 @@ class MiniMaxH3Embed(StageLayer):
             ax = ax * (sigma_a / sigma_v).to(ax.dtype)  # forward's undoing of the sampler's carry
         video_x = comfy.ldm.common_dit.pad_to_patch_size(vx, self.patch)
         dtype, device = context.dtype, context.device
-        layout = packed_layout(context.shape[1], *video_x.shape[2:], int(ax.shape[-1]), marks)
+        layout = packed_layout(context.shape[1], *video_x.shape[2:], int(ax.shape[-1]), conditions)
         # ComfyUI takes the timesteps as Python floats and builds the table of the distinct ones from them; these are
         # the same float32 values, kept as tensors so that the table has the timestep's gradient path (a pipeline
-        # stage's every float output needs one). Keyframe rows run at max(t_v, VISUAL_COND_TIMESTEP).
+        # stage's every float output needs one). Keyframe and reference rows run at max(t_v, VISUAL_COND_TIMESTEP).
         times = {"v": (1.0 - sigma_v).view(1), "a": (1.0 - sigma_a).view(1)}
         t_v, t_a = (float(times[k].detach()) for k in ("v", "a"))
         by_value = {t_a: times["a"], t_v: times["v"]}
         t_c = None
-        if keyframes:
+        if latents:
             t_c = max(t_v, VISUAL_COND_TIMESTEP)
             by_value.setdefault(t_c, times["v"].clamp(min=VISUAL_COND_TIMESTEP))
         unique_t = sorted(by_value)
         video_rows = patchify_video(video_x.to(torch.float32), self.patch)
-        cond_rows = self._cond_rows(keyframes, device)
+        cond_rows = self._cond_rows(latents, device)
         if cond_rows is not None:  # ComfyUI's placement of condition and target rows, then one projection of them all
             update = layout.img_update.to(device)
             rows = torch.empty(update.shape[0], video_rows.shape[1], dtype=torch.float32, device=device)
@@ -195,11 +201,11 @@ class MiniMaxH3Embed(StageLayer):
         video_embed = self.video_patch_proj(video_rows).to(dtype)
         audio_embed = self.audio_patch_proj(pack_audio(ax.to(torch.float32))).to(dtype)
         pieces, v_off, a_off = [], 0, 0
-        for start, stop, kind in layout.segments:  # the segments in order: text | keyframe rows | audio | video
+        for start, stop, kind in layout.segments:  # in order: text | keyframe rows | reference rows | audio | video
             n = stop - start
             if kind == "text":
                 pieces.append(context[0])
-            elif kind in ("cond", "video"):
+            elif kind in ("cond", "ref_img", "video"):
                 pieces.append(video_embed[v_off:v_off + n])
                 v_off += n
             else:
@@ -214,23 +220,23 @@ class MiniMaxH3Embed(StageLayer):
         return h, t_emb, ax, meta
 
     def forward(self, inputs):
-        packed, timestep, context, tokens, sizes, tags, *keyframes = inputs
+        packed, timestep, context, tokens, sizes, tags, *latents = inputs
         b = packed.shape[0]
-        v_shape, a_shape, marks, _ = Sizes.read(sizes, b)
+        v_shape, a_shape, conditions, _ = Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
         rows = []
         for i in range(b):
             n = int(tokens[i, 0])
             text = self._preprocess_text(context[i:i + 1, :n])  # MiniMaxH3.extra_conds' step, at the caption's length
-            own = [k[i:i + 1] for k in keyframes]
-            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text, marks, own))
+            own = [k[i:i + 1] for k in latents]
+            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text, conditions, own))
         longest = max(r[0].shape[0] for r in rows)
         h = torch.stack([nn.functional.pad(r[0], (0, 0, 0, longest - r[0].shape[0])) for r in rows])
         t_emb = torch.stack([nn.functional.pad(r[1], (0, 0, 0, _T_ROWS - r[1].shape[0])) for r in rows])
         carried = torch.cat([r[2] for r in rows])
         meta = torch.stack([r[3] for r in rows])
         inv_freq = self.rope.inv_freq
-        return h, t_emb, carried, meta, Sizes.make(v_shape, a_shape, marks, float_bits(inv_freq)), tags
+        return h, t_emb, carried, meta, Sizes.make(v_shape, a_shape, conditions, float_bits(inv_freq)), tags
 
 
 class MiniMaxH3Block(StageLayer):
@@ -253,11 +259,11 @@ class MiniMaxH3Block(StageLayer):
     def forward(self, inputs):
         h, t_emb, carried, meta, sizes, tags = inputs
         b = h.shape[0]
-        v_shape, a_shape, marks, bits = Sizes.read(sizes, b)
+        v_shape, a_shape, conditions, bits = Sizes.read(sizes, b)
         inv_freq = from_bits(bits)
         outs = []
         for i in range(b):
-            ex = ExampleStructure(meta, i, v_shape, a_shape, marks, self.patch)
+            ex = ExampleStructure(meta, i, v_shape, a_shape, conditions, self.patch)
             x = h[i, :ex.length].clone()  # the block updates it in place: never the stage's input
             rope = self._rope(ex.layout, inv_freq, h.dtype, h.device)
             with OutOfPlaceResidualAdds(x, private=True, slices=True):
@@ -282,11 +288,11 @@ class MiniMaxH3Final(StageLayer):
 
         h, t_emb, carried, meta, sizes, _ = inputs
         b = h.shape[0]
-        v_shape, a_shape, marks, _ = Sizes.read(sizes, b)
+        v_shape, a_shape, conditions, _ = Sizes.read(sizes, b)
         t, lat_h, lat_w = padded_spatial(v_shape, self.patch)
         videos, audios = [], []
         for i in range(b):
-            ex = ExampleStructure(meta, i, v_shape, a_shape, marks, self.patch)
+            ex = ExampleStructure(meta, i, v_shape, a_shape, conditions, self.patch)
             va, vb, _ = ex.layout.segments[-1]
             aa, ab, _ = ex.layout.segments[-2]
             v, a = self.final_layer(h[i, :ex.length], t_emb[i, :ex.distinct], (va, vb, ex.row_v), (aa, ab, ex.row_a))
@@ -302,13 +308,45 @@ class MiniMaxH3Final(StageLayer):
         return pack_streams([torch.cat(videos), torch.cat(audios)])[0]
 
 
+def _five_d(latent: torch.Tensor) -> torch.Tensor:
+    """A condition latent as ``_cond_video_rows`` patchifies it: ``[B, C, T, H, W]`` (a cached reference image is
+    ``[B, C, H, W]``, one frame)."""
+    return latent.unsqueeze(2) if latent.ndim == 4 else latent
+
+
+def _condition_problem(conditions: Conditions, extras: Mapping[str, torch.Tensor], tags: torch.Tensor,
+                       tokens: torch.Tensor) -> str | None:
+    """Condition latents whose captions were not encoded as the node that makes those latents encodes them."""
+    keyframes, references = bool(conditions.keyframes.which), bool(conditions.references.sizes)
+    if keyframes and references:
+        return ("This MiniMax-H3 cache has first/last keyframes and reference images together, which no one ComfyUI "
+                "node makes (MiniMaxH3ImageToVideo or MiniMaxH3ReferenceToVideo): set the Cache node's start_image "
+                "off or clear the Dataset node's control_folder, and cache again.")
+    if keyframes and START_IMAGE_PROMPT not in extras:
+        return ("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in the prompt, "
+                "which MiniMaxH3ImageToVideo always puts there: cache again with start_image first_last_frames and "
+                "MiniMax-H3's text encoder on 'Cache Latents & Text'.")
+    pictured = all(bool((row[:int(n)] == VIDEO_TAG).any()) for row, n in zip(tags, tokens.view(-1), strict=True))
+    if references and not pictured:
+        return ("This MiniMax-H3 cache has reference images but captions encoded without them in the prompt, which "
+                "MiniMaxH3ReferenceToVideo always puts there: connect MiniMax-H3's text encoder (Load CLIP type "
+                f"minimax) to 'Cache Latents & Text', set its reference_in_prompt to auto or {REFERENCES_STYLE}, and "
+                "cache again.")
+    return None
+
+
 class MiniMaxH3Adapter:
     """MiniMax-H3 text-to-video-and-audio (and first/last-frame) on the joint latent ComfyUI samples."""
 
     name = FAMILY
     options_type = MiniMaxH3Options
-    text_extras = {TOKEN_TAGS: False}  # ComfyUI's encoder output, one tag per token (no batch axis)
+    text_extras = {IMAGE_TOKEN_TAGS: False}  # ComfyUI's encoder output, one tag per token (no batch axis)
     start_image_prompt = MINIMAX_H3_FRAMES_PROMPT  # first/last-frame captions (training/cache/start_image_prompt.py)
+    reference_prompts = (MINIMAX_H3_REFERENCES,)  # reference images in the prompt (training/cache/reference_prompt.py)
+
+    def takes_reference_prompt(self, clip: object) -> bool:
+        """Whether the Cache's ``clip`` is MiniMax-H3's text encoder, which reads the reference pictures."""
+        return takes_frames(clip)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = support_problem(diffusion_model)
@@ -348,7 +386,7 @@ class MiniMaxH3Adapter:
         dm = diffusion_model
         out = {AUDIO_LATENT: ExtraSpec(shape=(int(dm.audio_latents_dim), 2, "*"), source="latent", joins_latent=True,
                                        description="the clip's stereo audio VAE latent, packed with the video latent"),
-               TOKEN_TAGS: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
+               IMAGE_TOKEN_TAGS: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
                                      description="the text encoder's modality tag of each token (0: an image's)")}
         for name, frame in zip(KEYFRAMES, ("first", "last"), strict=True):
             out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False,
@@ -356,6 +394,11 @@ class MiniMaxH3Adapter:
                                               f"{frame}_frame), a keyframe condition")
         out[START_IMAGE_PROMPT] = ExtraSpec(shape=(1,), source="text", required=False,
                                             description="the image tokens of the frames in the caption's prompt")
+        for i in range(MAX_REFERENCES):
+            out[reference_extra(i)] = ExtraSpec(
+                shape=("C", "*", "*"), required=False,
+                description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i + 1}, "
+                            f"<Picture {i + 1}> in the prompt), a condition")
         return out
 
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
@@ -372,17 +415,16 @@ class MiniMaxH3Adapter:
         v_shape, a_shape = batch.latent_shapes
         b = batch.noisy.shape[0]
         tokens = torch.tensor(batch.text_lengths or [batch.cond.shape[1]] * b, dtype=torch.int64)
-        tags = batch.extras.get(TOKEN_TAGS)
+        tags = batch.extras.get(IMAGE_TOKEN_TAGS)
         if tags is None:  # a caption encoded alone: every token is text
             tags = torch.full((b, batch.cond.shape[1]), TEXT_TAG, dtype=torch.int64)
-        marks = Keyframes.of(batch.extras)
-        keyframes = [batch.extras[name] for name in marks.names()]
-        if keyframes and START_IMAGE_PROMPT not in batch.extras:
-            raise ValueError("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in "
-                             "the prompt, which MiniMaxH3ImageToVideo always puts there: cache again with start_image "
-                             "first_last_frames and MiniMax-H3's text encoder on 'Cache Latents & Text'.")
-        return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), Sizes.make(v_shape, a_shape, marks),
-                tags.to(torch.int64), *keyframes)
+        conditions = Conditions.of(batch.extras)
+        problem = _condition_problem(conditions, batch.extras, tags, tokens)
+        if problem:
+            raise ValueError(problem)
+        latents = [_five_d(batch.extras[name]) for name in conditions.names(batch.extras)]
+        return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), Sizes.make(v_shape, a_shape, conditions),
+                tags.to(torch.int64), *latents)
 
     def loss_mask(self, latent_shape: tuple[int, ...], options: object) -> torch.Tensor | None:
         return None

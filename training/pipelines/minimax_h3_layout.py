@@ -33,22 +33,25 @@ def from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 class Sizes:
-    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the keyframes (which of :data:`KEYFRAMES`
-    as bits, and their latent frames), then the rotary ``inv_freq`` bits."""
-
-    HEAD = 9
+    """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the condition rows (:class:`Conditions`: which
+    of :data:`KEYFRAMES` as bits and their latent frames, the reference count and each one's latent height and
+    width), then the rotary ``inv_freq`` bits."""
 
     @staticmethod
-    def make(v_shape: Sequence[int], a_shape: Sequence[int], keyframes: Keyframes,
+    def make(v_shape: Sequence[int], a_shape: Sequence[int], conditions: Conditions,
              inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
-        head = torch.tensor([*v_shape[1:], *a_shape[1:], keyframes.which, keyframes.frames], dtype=torch.int64)
+        refs = conditions.references.sizes
+        head = torch.tensor([*v_shape[1:], *a_shape[1:], conditions.keyframes.which, conditions.keyframes.frames,
+                             len(refs), *(s for hw in refs for s in hw)], dtype=torch.int64)
         return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
 
     @staticmethod
     def read(sizes: torch.Tensor, batch: int):
         v = [batch, *(int(s) for s in sizes[0:4])]
         a = [batch, *(int(s) for s in sizes[4:7])]
-        return v, a, Keyframes(int(sizes[7]), int(sizes[8])), sizes[Sizes.HEAD:]
+        n = int(sizes[9])
+        refs = References(tuple((int(sizes[10 + 2 * i]), int(sizes[11 + 2 * i])) for i in range(n)))
+        return v, a, Conditions(Keyframes(int(sizes[7]), int(sizes[8])), refs), sizes[10 + 2 * n:]
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,56 @@ class Keyframes:
         return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
 
 
+@dataclass(frozen=True)
+class References:
+    """The reference images of ``MiniMaxH3ReferenceToVideo`` (``ref_images``), in order: each one's latent
+    ``(height, width)`` (each is one image at its own size, encoded alone; the node's ``minimax_refs`` blocks of kind
+    ``image``)."""
+
+    sizes: tuple[tuple[int, int], ...] = ()
+
+    @staticmethod
+    def of(extras: Mapping[str, torch.Tensor]) -> References:
+        return References(tuple(tuple(int(s) for s in extras[name].shape[-2:]) for name in reference_names(extras)))
+
+    def blocks(self) -> list[dict]:
+        """ComfyUI's ``minimax_refs`` entries for :class:`PackedLayout` (it reads the kind and the latent size)."""
+        return [{"kind": "image", "latent_h": h, "latent_w": w} for h, w in self.sizes]
+
+
+def reference_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
+    """The reference extras present, ``reference_0`` onwards without a gap (the Dataset's numbering)."""
+    from .base import reference_extra
+
+    names = []
+    while reference_extra(len(names)) in extras:
+        names.append(reference_extra(len(names)))
+    return names
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """An example's condition rows, in ComfyUI's payload order: the keyframes, then the references."""
+
+    keyframes: Keyframes = Keyframes()
+    references: References = References()
+
+    @staticmethod
+    def of(extras: Mapping[str, torch.Tensor]) -> Conditions:
+        return Conditions(Keyframes.of(extras), References.of(extras))
+
+    def names(self, extras: Mapping[str, torch.Tensor]) -> list[str]:
+        """The extras whose latents become condition rows, in the order ``_cond_video_rows`` takes them."""
+        return self.keyframes.names() + reference_names(extras)
+
+    def __bool__(self) -> bool:
+        return bool(self.keyframes.which or self.references.sizes)
+
+
 class Meta:
     """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the
-    keyframe rows' timestep in its table of distinct timesteps (-1: no keyframes), and that table's length."""
+    condition rows' timestep (keyframes and references alike) in its table of distinct timesteps (-1: none), and
+    that table's length."""
 
     @staticmethod
     def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int]:
@@ -94,11 +144,14 @@ class Meta:
 
 
 @functools.lru_cache(maxsize=16)
-def packed_layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int, keyframes: Keyframes = Keyframes()):
-    """ComfyUI's ``PackedLayout`` of one example: ``[text | keyframe rows | audio | video]`` (no references)."""
+def packed_layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t: int,
+                  conditions: Conditions = Conditions()):
+    """ComfyUI's ``PackedLayout`` of one example: ``[text | keyframe rows | reference rows | audio | video]``."""
     from comfy.ldm.minimax.model import PackedLayout
 
-    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t, keyframes=keyframes.anchors(latent_t) or None)
+    return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t,
+                        keyframes=conditions.keyframes.anchors(latent_t) or None,
+                        refs=conditions.references.blocks() or None)
 
 
 def tag_runs(tags: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -119,17 +172,17 @@ def padded_spatial(v_shape: Sequence[int], patch: Sequence[int]) -> tuple[int, i
 class ExampleStructure:
     """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
 
-    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, keyframes: Keyframes, patch):
+    def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, conditions: Conditions, patch):
         self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.distinct = Meta.read(meta, i)
         t, h, w = padded_spatial(v_shape, patch)
-        self.layout = packed_layout(self.text_len, t, h, w, int(a_shape[3]), keyframes)
+        self.layout = packed_layout(self.text_len, t, h, w, int(a_shape[3]), conditions)
         self.length = self.layout.seq_len
 
     def mod_segments(self, tags: torch.Tensor) -> list[tuple[int, int, int]]:
         """ComfyUI's ``mod_segments``: row ``3 * timestep row + modality tag`` per segment, the text span split into
         runs of the text encoder's token tags (vision tokens carry the video tag)."""
         rows = {"audio": 3 * self.row_a + AUDIO_TAG, "video": 3 * self.row_v + VIDEO_TAG,
-                "cond": 3 * self.row_c + VIDEO_TAG}
+                "cond": 3 * self.row_c + VIDEO_TAG, "ref_img": 3 * self.row_c + VIDEO_TAG}
         out = []
         for a, b, kind in self.layout.segments:
             if kind == "text":

@@ -1,4 +1,5 @@
-"""MiniMax-H3's first/last-frame prompt: ComfyUI's ``MiniMaxH3ImageToVideo`` as the cache's start-image style.
+"""MiniMax-H3's prompts with pictures: ComfyUI's ``MiniMaxH3ImageToVideo`` as the cache's start-image style, and
+``MiniMaxH3ReferenceToVideo`` with reference images as its reference-in-prompt style.
 
 With ``first_frame`` and ``last_frame`` connected, the node tokenizes the prompt with both images
 (``clip.tokenize(prompt, images=[first, last])``: MiniMax-H3's tokenizer writes ``<Picture 1>: `` and ``<Picture 2>:
@@ -7,12 +8,28 @@ encoder (CLIP type ``minimax``), whose output also tags each token as text or im
 model modulates as text or video). The cache makes the same two calls on the item's first and last kept frames at
 its bucket (training/cache/start_image.py ``keyframe_images``); the node's third step, the frames' VAE latents, is the latent
 entry's keyframes (training/cache/start_image.py ``first_last_frames``).
+
+With ``ref_images`` connected (``ref_image_size`` ``match``, its default), ``MiniMaxH3ReferenceToVideo`` scales each
+reference, keeping its aspect, down to the pixel area of the video it generates (never up), rounds both sides to 32,
+resizes it there (lanczos, no crop), and both tokenizes the prompt with the resized pictures
+(``minimax_ref_items``: ``<Picture i>: `` and its vision block each, then the caption) and VAE-encodes them, each
+alone, as the ``minimax_refs`` the model reads as condition rows. The cache does the same against the item's bucket
+(training/cache/reference_prompt.py ``PromptStyle.size``). The node's reference videos and audio have no dataset
+form here yet.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
+from ..cache.reference_prompt import PromptStyle
 from ..cache.start_image import FIRST_LAST_FRAMES, keyframe_images
 from ..cache.start_image_prompt import StartImagePromptStyle
+
+REFERENCES_STYLE = "minimax_h3_references"
+_CANVAS = 32  # the node's CANVAS_MULTIPLE
 
 
 def takes_frames(clip: object) -> bool:
@@ -33,3 +50,26 @@ def _conditioning(clip, caption: str, images: list, clip_vision_output, interlea
 MINIMAX_H3_FRAMES_PROMPT = StartImagePromptStyle(
     node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=takes_frames,
     conditioning=_conditioning, mode=FIRST_LAST_FRAMES, images=keyframe_images, clip_vision=False)
+
+
+def match_size(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """A reference as ``MiniMaxH3ReferenceToVideo`` (``ref_image_size`` ``match``) sizes it for a ``width`` x
+    ``height`` video: ``[1, th, tw, 3]``."""
+    import comfy.utils
+
+    h, w = image.shape[1], image.shape[2]
+    scale = min(1.0, math.sqrt((width * height) / (w * h)))
+    tw = max(_CANVAS, round(w * scale / _CANVAS) * _CANVAS)
+    th = max(_CANVAS, round(h * scale / _CANVAS) * _CANVAS)
+    pixels = image[:1, ..., :3].movedim(-1, 1)
+    return comfy.utils.common_upscale(pixels, tw, th, "lanczos", "disabled").movedim(1, -1)
+
+
+def _references(clip, caption: str, images: list[torch.Tensor]) -> list:
+    """``MiniMaxH3ReferenceToVideo``'s conditioning before it adds the references' latents (``images`` sized)."""
+    tokens = clip.tokenize(caption, minimax_ref_items=[{"type": "image", "data": image} for image in images])
+    return clip.encode_from_tokens_scheduled(tokens)
+
+
+MINIMAX_H3_REFERENCES = PromptStyle(REFERENCES_STYLE, "MiniMaxH3ReferenceToVideo", max_images=9, version=1,
+                                    conditioning=_references, size=match_size)
