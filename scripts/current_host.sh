@@ -74,5 +74,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   cp scripts/torchaudio_stub.py "$purelib/torchaudio/__init__.py"
   echo "$want" > "$stamp"
 fi
+# Bytecode for the ComfyUI tree (unpacked, not pip-installed, so it has none), compiled once here: with
+# PYTHONDONTWRITEBYTECODE set (as on these machines) every process would otherwise compile the ~1000 modules it
+# imports at each start. A file that does not compile is left to the import that needs it to report.
+"$venv/bin/python" -m compileall -q -j 0 "$root" >/dev/null || true
 COMFYUI_PATH=$root "$venv/bin/python" scripts/pt.py fixtures ${PIPETRAINER_FLUX:+--flux} >&2
 echo "$root" >&3

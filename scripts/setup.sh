@@ -18,3 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 .venv/bin/python scripts/pt.py fixtures ${PIPETRAINER_FLUX:+--flux}
+# Bytecode for the ComfyUI tree (unpacked from the wheel's files, so it has none), compiled once here: with
+# PYTHONDONTWRITEBYTECODE set (as on these machines) every process would otherwise compile the ~1000 modules it
+# imports at each start. A file that does not compile is left to the import that needs it to report.
+.venv/bin/python -m compileall -q -j 0 "${COMFYUI_PATH:-$PWD/.host/ComfyUI}" >/dev/null || true

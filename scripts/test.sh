@@ -87,6 +87,15 @@ if [ -n "$current_root" ] && [ "$compat_ready" = 1 ]; then
   summary+=("venvs: $(.venv/bin/python scripts/pt.py link-duplicates .venv .host/current/venv || echo 'link-duplicates failed')")
 fi
 
+# This pack's bytecode, compiled once (each training rank, server and launcher imports a few hundred of its modules,
+# and with PYTHONDONTWRITEBYTECODE set, as on these machines, nothing would keep what they compile).
+for python in .host/current/venv/bin/python .venv/bin/python; do
+  if [ -x "$python" ]; then
+    "$python" -m compileall -q -j 0 __init__.py nodes training patches devkit tests bench scripts >/dev/null || true
+    break
+  fi
+done
+
 if [ -n "$current_root" ]; then
   version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$current_root/comfyui_version.py")
   scope=", whole suite"

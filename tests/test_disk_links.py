@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from pipetrainer.devkit.disk import link_identical_files
 
@@ -40,3 +41,28 @@ def test_identical_files_become_one_inode_and_the_rest_stay_apart(tmp_path):
 
     again = link_identical_files(keep, other)  # already linked: nothing to do
     assert (again.linked, again.bytes_saved) == (0, 0)
+
+
+def test_a_python_source_of_another_time_keeps_its_own_bytecode_cache(tmp_path):
+    """A linked ``.py`` has one modification time; each venv's ``.pyc`` records its own copy's, so linking
+    sources of different times would leave one venv's bytecode stale (every import compiling it again)."""
+    import importlib.util
+    import py_compile
+
+    keep, other = tmp_path / "keep", tmp_path / "other"
+    for root, when in ((keep, 1_700_000_000), (other, 1_700_000_500)):
+        _write(root / "pkg" / "mod.py", b"x = 1\n")
+        _write(root / "pkg" / "same.py", b"y = 2\n")
+        os.utime(root / "pkg" / "same.py", (1_600_000_000, 1_600_000_000))
+        os.utime(root / "pkg" / "mod.py", (when, when))
+        for name in ("mod.py", "same.py"):
+            py_compile.compile(str(root / "pkg" / name), doraise=True)
+
+    report = link_identical_files(keep, other)
+
+    assert (report.linked, report.sources_kept) == (1, 1)
+    assert (keep / "pkg" / "same.py").stat().st_ino == (other / "pkg" / "same.py").stat().st_ino
+    source = other / "pkg" / "mod.py"
+    assert source.stat().st_ino != (keep / "pkg" / "mod.py").stat().st_ino
+    cached = Path(importlib.util.cache_from_source(str(source))).read_bytes()
+    assert int.from_bytes(cached[8:12], "little") == int(source.stat().st_mtime)  # still valid for its source
