@@ -36,14 +36,35 @@ ROW_GAP = 50
 MARGIN = 40
 
 
-def _ordered_inputs(info: dict) -> list[tuple[str, Any, dict]]:
+AUTOGROW = "COMFY_AUTOGROW_V3"  # a V3 node's growing group of sockets (``io.Autogrow``): ``<group>.<slot>`` each
+
+
+def _ordered_inputs(info: dict, used: dict | None = None) -> list[tuple[str, Any, dict]]:
+    """``(name, kind, options)`` of each input in the frontend's order, an Autogrow group expanded into its
+    sockets: every one it may have (``used`` None), or as the frontend shows them for a prompt's ``used``
+    inputs (up to the last one given, and one free socket after it)."""
     out = []
     for section in ("required", "optional"):
         for name, spec in info["input"].get(section, {}).items():
             kind = spec[0]
             options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-            out.append((name, kind, options))
+            if kind == AUTOGROW:
+                out.extend(_autogrow_sockets(name, options["template"], used))
+            else:
+                out.append((name, kind, options))
     return out
+
+
+def _autogrow_sockets(group: str, template: dict, used: dict | None) -> list[tuple[str, Any, dict]]:
+    """An Autogrow group's sockets ``<group>.<slot>``; ``options["label"]`` is the slot name the node shows."""
+    inner = next(spec for section in template["input"].values() for spec in section.values())
+    kind, inner_options = inner[0], (inner[1] if len(inner) > 1 and isinstance(inner[1], dict) else {})
+    slots = (list(template["names"]) if "names" in template
+             else [f"{template['prefix']}{i}" for i in range(template["max"])])
+    if used is not None:
+        given = [i for i, slot in enumerate(slots) if f"{group}.{slot}" in used]
+        slots = slots[:min(len(slots), (given[-1] + 2) if given else 1)]
+    return [(f"{group}.{slot}", kind, {**inner_options, "label": slot, "forceInput": True}) for slot in slots]
 
 
 def _is_widget(kind: Any, options: dict) -> bool:
@@ -57,10 +78,11 @@ def _socket_type(kind: Any) -> str:
     return "COMBO" if isinstance(kind, list) else str(kind)
 
 
-def node_size(info: dict) -> list[int]:
+def node_size(info: dict, used: dict | None = None) -> list[int]:
     """[width, height] of a node as the frontend draws it (height below the title bar), with room for
-    run-time previews under output nodes."""
-    inputs = _ordered_inputs(info)
+    run-time previews under output nodes; ``used``: the prompt's inputs of the node (its Autogrow sockets
+    shown, at least one a group)."""
+    inputs = _ordered_inputs(info, used if used is not None else {})
     widgets = [name for name, kind, options in inputs if _is_widget(kind, options)]
     controls = sum(1 for name, kind, options in inputs if _is_widget(kind, options)
                    and options.get("control_after_generate"))
@@ -100,7 +122,7 @@ def _columns(api: dict[str, dict]) -> dict[str, int]:
 def _layout(api: dict[str, dict], object_info: dict[str, dict], top: int) -> dict[str, tuple[list[int], list[int]]]:
     """key -> (pos, size): columns left to right, nodes stacked top-down in prompt order."""
     column = _columns(api)
-    sizes = {key: node_size(object_info[node["class_type"]]) for key, node in api.items()}
+    sizes = {key: node_size(object_info[node["class_type"]], node["inputs"]) for key, node in api.items()}
     widths: dict[int, int] = {}
     for key, col in column.items():
         widths[col] = max(widths.get(col, 0), sizes[key][0])
@@ -130,17 +152,22 @@ def api_to_ui(api: dict[str, dict], object_info: dict[str, dict], note: str = ""
     for key, node in api.items():
         info = object_info[node["class_type"]]
         inputs, widgets = [], []
-        for name, kind, options in _ordered_inputs(info):
+        for name, kind, options in _ordered_inputs(info, used=node["inputs"]):
             value = node["inputs"].get(name)
             if _is_widget(kind, options) and not isinstance(value, list):
                 widgets.append((value, kind, options))
                 continue
+            link_id = None
             if isinstance(value, list):
                 link_id = len(links) + 1
                 src, slot = value
                 src_type = object_info[api[src]["class_type"]]["output"][slot]
                 links.append([link_id, ids[src], slot, ids[key], len(inputs), src_type])
                 outputs_links.setdefault((src, slot), []).append(link_id)
+            if "label" in options:  # an Autogrow socket: stored linked or not, as the frontend saves them
+                inputs.append({"label": options["label"], "name": name, "shape": 7, "type": _socket_type(kind),
+                               "link": link_id})
+            elif link_id is not None:
                 inputs.append({"name": name, "type": _socket_type(kind), "link": link_id})
         pos, size = placed[key]
         widgets = _widget_values(widgets)

@@ -202,6 +202,7 @@ EXAMPLES = {
     "pipetrainer_ltx2": ("LTX2", {}, {"audio_vae"}),
     "pipetrainer_minimax_h3": ("MiniMaxH3", {}, {"audio_vae"}),
     "pipetrainer_minimax_h3_fl2va": ("MiniMaxH3", {}, {"audio_vae", "first_last_frames"}),
+    "pipetrainer_minimax_h3_ref2va": ("MiniMaxH3", {}, {"audio_vae", "control_folder"}),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),

@@ -34,7 +34,7 @@ import torch
 from .keys import prep_signature, prompt_signature
 from .media import load_image, load_video
 from .plan import ItemPlan, KeyedTexts, keyed_texts
-from .start_image import FIRST_FRAME_ALONE, FIRST_LAST_FRAMES, StartImage, clip_vision_identity
+from .start_image import FIRST_FRAME_ALONE, StartImage, clip_vision_identity
 
 START_IMAGE_PROMPT = "start_image_prompt"  # the text extra: how many image tokens lead the cond
 IMAGE_TOKEN_TAGS = "minimax_token_tags"  # ComfyUI's MiniMax-H3 encoder output: 0 on an image's tokens, 1 on text
@@ -54,7 +54,9 @@ class StartImagePromptStyle:
     bucket) and, for a style with ``clip_vision``, the ``CLIP Vision Encode`` output of the first image (else None);
     ``takes(clip)`` says whether ``clip`` is the text encoder that reads it; ``crop`` is the ``CLIP Vision Encode``
     crop of the family's I2V workflow; ``version`` is part of the text key (bump it when ``conditioning`` or
-    ``images`` changes)."""
+    ``images`` changes). ``needs_encoder``, for a mode only this style gives its meaning (the frames enter no other
+    prompt as the model samples): how to load the text encoder that ``takes`` it; the Cache refuses the mode with
+    any other."""
 
     node: str
     version: int
@@ -65,6 +67,7 @@ class StartImagePromptStyle:
     mode: str = FIRST_FRAME_ALONE
     images: Callable[[torch.Tensor], list[torch.Tensor]] = first_frame
     clip_vision: bool = True
+    needs_encoder: str = ""
 
 
 def _styles() -> list[StartImagePromptStyle]:
@@ -156,32 +159,26 @@ class StartImagePrompt:
 
 
 def start_image_prompt_for(start_image: StartImage, clip) -> tuple[StartImagePrompt | None, StartImage]:
-    """``(prompt, latent start image)`` of a cache run. With ``first_frame_alone``, a CLIP vision model and a text
-    encoder a family has a style for, the prompt, and the start image without the CLIP vision model (it conditions
-    the prompt, not the latent entry); otherwise ``(None, start_image)``. Refuses a CLIP vision model the style
-    cannot use, with the fix."""
-    if start_image.mode == FIRST_LAST_FRAMES:
-        return _frames_prompt(start_image, clip)
-    if start_image.mode != FIRST_FRAME_ALONE or start_image.clip_vision is None or clip is None:
-        return None, start_image
-    style = next((s for s in _styles() if s.mode == start_image.mode and s.clip_vision and s.takes(clip)), None)
+    """``(prompt, latent start image)`` of a cache run: the style of the Cache's mode whose text encoder ``clip`` is
+    (with a CLIP vision model where the style reads one, which then conditions the prompt, not the latent entry),
+    or ``(None, start_image)``: captions encoded alone. A mode whose style ``needs_encoder`` is refused with another
+    text encoder, and a CLIP vision model the style cannot use, with the fix."""
+    styles = [s for s in _styles() if s.mode == start_image.mode]
+    style = next((s for s in styles if clip is not None and s.takes(clip)
+                  and (start_image.clip_vision is not None or not s.clip_vision)), None)
     if style is None:
+        needed = [s for s in styles if s.needs_encoder]
+        if needed:
+            nodes = " or ".join(s.node for s in needed)
+            hints = "; ".join(s.needs_encoder for s in needed)
+            raise ValueError(f"start_image = {start_image.mode} puts each item's frames into its captions' prompt as "
+                             f"{nodes} does, which needs that model's own text encoder on 'Cache Latents & Text' "
+                             f"({hints}): connect it, or set start_image to none.")
         return None, start_image
+    if not style.clip_vision:
+        return StartImagePrompt(style), start_image
     prompt = StartImagePrompt(style, start_image.clip_vision)
     problems = prompt.problems()
     if problems:
         raise ValueError("\n".join(problems))
     return prompt, StartImage(start_image.mode)
-
-
-def _frames_prompt(start_image: StartImage, clip) -> tuple[StartImagePrompt, StartImage]:
-    """``first_last_frames``: the frames condition both the latent entry (keyframe latents) and the prompt, which
-    only a text encoder that reads images makes as the model samples; any other is refused with the fix."""
-    styles = [s for s in _styles() if s.mode == start_image.mode]
-    style = next((s for s in styles if clip is not None and s.takes(clip)), None)
-    if style is None:
-        nodes = " or ".join(s.node for s in styles) or "a first/last-frame node"
-        raise ValueError(f"start_image = {start_image.mode} puts each clip's first and last frames into its captions' "
-                         f"prompt as {nodes} does, which needs that model's own text encoder on 'Cache Latents & "
-                         "Text' (MiniMax-H3: 'Load CLIP' with type minimax): connect it, or set start_image to none.")
-    return StartImagePrompt(style), start_image

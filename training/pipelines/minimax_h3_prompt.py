@@ -49,7 +49,8 @@ def _conditioning(clip, caption: str, images: list, clip_vision_output, interlea
 
 MINIMAX_H3_FRAMES_PROMPT = StartImagePromptStyle(
     node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=takes_frames,
-    conditioning=_conditioning, mode=FIRST_LAST_FRAMES, images=keyframe_images, clip_vision=False)
+    conditioning=_conditioning, mode=FIRST_LAST_FRAMES, images=keyframe_images, clip_vision=False,
+    needs_encoder="MiniMax-H3: 'Load CLIP' with type minimax")
 
 
 def match_size(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
