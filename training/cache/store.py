@@ -289,7 +289,7 @@ class _Filler:
                                                     self.text_dtype, (digest, sig))
                     tkey = texts[0][0]
                 prompt_sig = self.references.prompt_signature(bucket, self.prompt_sig)
-                if prompt_sig != self.prompt_sig and ref_digests:  # references in the prompt sized for this bucket
+                if self.references.sized and ref_digests:  # the references in the prompt are sized for this bucket
                     texts = keyed_texts(caption_texts(self.dataset.captions, entry.caption), text_sig,
                                         self.text_dtype, prompt_sig, ref_digests)
                     tkey = texts[0][0]

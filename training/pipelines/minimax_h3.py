@@ -79,7 +79,7 @@ from .minimax_h3_layout import (
     packed_layout,
     padded_spatial,
 )
-from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, REFERENCES_STYLE, takes_frames
+from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, REFERENCES_STYLE, reads_images
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
@@ -326,8 +326,8 @@ def _condition_problem(conditions: Conditions, extras: Mapping[str, torch.Tensor
         return ("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in the prompt, "
                 "which MiniMaxH3ImageToVideo always puts there: cache again with start_image first_last_frames and "
                 "MiniMax-H3's text encoder on 'Cache Latents & Text'.")
-    pictured = all(bool((row[:int(n)] == VIDEO_TAG).any()) for row, n in zip(tags, tokens.view(-1), strict=True))
-    if references and not pictured:
+    if references and not all(bool((row[:int(n)] == VIDEO_TAG).any())  # each caption has its pictures' tokens
+                              for row, n in zip(tags, tokens.view(-1), strict=True)):
         return ("This MiniMax-H3 cache has reference images but captions encoded without them in the prompt, which "
                 "MiniMaxH3ReferenceToVideo always puts there: connect MiniMax-H3's text encoder (Load CLIP type "
                 f"minimax) to 'Cache Latents & Text', set its reference_in_prompt to auto or {REFERENCES_STYLE}, and "
@@ -346,7 +346,7 @@ class MiniMaxH3Adapter:
 
     def takes_reference_prompt(self, clip: object) -> bool:
         """Whether the Cache's ``clip`` is MiniMax-H3's text encoder, which reads the reference pictures."""
-        return takes_frames(clip)
+        return reads_images(clip)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = support_problem(diffusion_model)
@@ -397,7 +397,7 @@ class MiniMaxH3Adapter:
         for i in range(MAX_REFERENCES):
             out[reference_extra(i)] = ExtraSpec(
                 shape=("C", "*", "*"), required=False,
-                description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i + 1}, "
+                description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i}, "
                             f"<Picture {i + 1}> in the prompt), a condition")
         return out
 

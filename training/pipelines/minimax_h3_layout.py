@@ -128,9 +128,6 @@ class Conditions:
         """The extras whose latents become condition rows, in the order ``_cond_video_rows`` takes them."""
         return self.keyframes.names() + reference_names(extras)
 
-    def __bool__(self) -> bool:
-        return bool(self.keyframes.which or self.references.sizes)
-
 
 class Meta:
     """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the

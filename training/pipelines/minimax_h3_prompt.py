@@ -32,7 +32,7 @@ REFERENCES_STYLE = "minimax_h3_references"
 _CANVAS = 32  # the node's CANVAS_MULTIPLE
 
 
-def takes_frames(clip: object) -> bool:
+def reads_images(clip: object) -> bool:
     """Whether ``clip`` is ComfyUI's MiniMax-H3 text encoder (Qwen3-VL, which reads the images of the prompt)."""
     try:
         from comfy.text_encoders.minimax import MiniMaxH3TEModel
@@ -48,7 +48,7 @@ def _conditioning(clip, caption: str, images: list, clip_vision_output, interlea
 
 
 MINIMAX_H3_FRAMES_PROMPT = StartImagePromptStyle(
-    node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=takes_frames,
+    node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=reads_images,
     conditioning=_conditioning, mode=FIRST_LAST_FRAMES, images=keyframe_images, clip_vision=False,
     needs_encoder="MiniMax-H3: 'Load CLIP' with type minimax")
 
