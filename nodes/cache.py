@@ -16,6 +16,7 @@ from ..training.cache.s2v_sound import S2VSound
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
 from ..training.cache.vace_control import VACE_CONTROL_MODES, VaceControl
+from ..training.data.dataset import is_audio
 from .checks import preflight
 from .run.progress_text import show_text
 from .types import CATEGORY, Cache, Dataset
@@ -67,9 +68,9 @@ class PipeTrainerCache(io.ComfyNode):
                                             "(HunyuanVideo I2V: into the prompt). Wan 2.2 / SkyReels: none."),
                 io.Combo.Input("reference_in_prompt", options=reference_prompt.modes(), default=reference_prompt.AUTO,
                                optional=True,
-                               tooltip="Reference images with an image-reading text encoder (Qwen-Image-Edit, "
-                                       "MiniMax-H3): each caption encoded with its references as your node does "
-                                       "(edit_plus, edit, minimax_h3_references); auto picks."),
+                               tooltip="References with an image-reading text encoder (Qwen-Image-Edit, "
+                                       "MiniMax-H3, its audio too): each caption encoded with them as your node "
+                                       "does (edit_plus, edit, minimax_h3_references); auto picks."),
                 io.Combo.Input("vace_control", options=list(VACE_CONTROL_MODES), default="off", optional=True,
                                tooltip="Wan 2.1 VACE: on caches each clip's controls (name.mp4, name.2.mp4..., "
                                        "masks, name_ref.png) as WanVaceToVideo builds them; images train as "
@@ -101,8 +102,11 @@ class PipeTrainerCache(io.ComfyNode):
         start = StartImage(start_image, clip_vision)
         vace = VaceControl(vace_control, vae)
         dataset = vace.dataset(dataset)  # on: an image-only control folder's plain names are VACE control images
-        references = [(os.path.basename(e.path), len(e.references)) for e in dataset.entries]
-        style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references)
+        sounds = [sum(map(is_audio, e.references)) for e in dataset.entries]  # reference audio, after the pictures
+        names = [os.path.basename(e.path) for e in dataset.entries]
+        references = [(n, len(e.references) - a) for n, e, a in zip(names, dataset.entries, sounds, strict=True)]
+        style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references,
+                                                         list(zip(names, sounds, strict=True)))
         s2v = S2VSound(audio_encoder)  # refuses an encoder that is not wav2vec2, naming the loader
         sound = ClipSound(audio_vae)  # refuses a VAE that is no audio VAE it knows (LTX-2, MiniMax-H3), naming the loaders
         flip = getattr(dataset, "flip", "none")

@@ -70,9 +70,10 @@ class PipeTrainerDataset(io.ComfyNode):
                 io.Int.Input("max_frames", default=33, min=1, max=1024, optional=True,
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
-                                tooltip="Edit models: reference images named like the training images (name.png, "
-                                        "name_1.png...). Wan VACE: name.mp4 (name.2.mp4... more streams), "
-                                        "name_mask, name_ref.png. Inside ComfyUI's input folder.", **advanced()),
+                                tooltip="Edit models: references named like the training files (name.png, "
+                                        "name_1.png; H3 also name.wav). Wan VACE: name.mp4 (name.2.mp4...), "
+                                        "name_mask, name_ref.png. In ComfyUI's input folder.",
+                                **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Share of items trained on the empty caption, drawn per item and step "
                                        "(0.05-0.1 is usual; helps prompt-less use and CFG). 0 = off.", **advanced()),

@@ -61,6 +61,31 @@ def test_every_pairing_problem_names_its_files(tmp_path):
     assert str(tmp_path / "ctl") in text
 
 
+def test_audio_files_pair_as_reference_audio_numbered_on_their_own(tmp_path):
+    """MiniMax-H3's ref_audios: an item with audio needs no picture, an item with neither is named, and gaps and
+    unpaired audio files are named like the pictures'."""
+    data = _touch(tmp_path / "data", "a.png", "a.txt", "b.png", "b.txt", "c.png", "c.txt", "d.png", "d.txt")
+    control = _touch(tmp_path / "ctl", "a.png")
+    for name in ("a.wav", "a_1.flac", "b.mp3", "d_1.wav", "zz.ogg"):
+        (control / name).write_bytes(b"")  # pairing reads names only
+    with pytest.raises(DatasetError) as err:
+        scan_dataset(data, 64, control_folder=control)
+    problems = str(err.value).splitlines()
+    assert len(problems) == 3, problems
+    assert "have no reference image" in problems[0] and "c.png (needs c.png" in problems[0]
+    assert "d.png (needs" not in problems[0]  # d claims reference audio d_1.wav, so the gap is what is named
+    assert "d.png has d_1.wav but no d.*" in problems[1]
+    assert "zz.ogg" in problems[2] and "pair with no training image" in problems[2]
+    for name in ("d_1.wav", "zz.ogg"):
+        (control / name).unlink()
+    (control / "c.png").write_bytes((control / "a.png").read_bytes())
+    (data / "d.png").unlink()
+    spec = scan_dataset(data, 64, control_folder=control)
+    assert {Path(e.path).name: [Path(r).name for r in e.references] for e in spec.entries} == {
+        "a.png": ["a.png", "a.wav", "a_1.flac"], "b.png": ["b.mp3"], "c.png": ["c.png"]}
+    assert "2 reference images and 3 reference audio files in" in spec.report()
+
+
 def test_scan_dataset_attaches_references_and_refuses_bad_control_folders(tmp_path):
     data = _touch(tmp_path / "data", "x.png", "x.txt", "y.png", "y.txt", "nocap.png")
     control = _touch(tmp_path / "ctl", "x.png", "x_1.png", "y.png", "nocap.png")

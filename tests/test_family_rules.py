@@ -132,6 +132,15 @@ def test_qwen_image_edit_takes_three_references_like_text_encode_qwen_image_edit
     assert "takes only reference_0, reference_1, reference_2" in problems[0]
 
 
+def test_reference_audio_a_model_would_ignore_is_refused_before_step_0(comfy_root):
+    """MiniMax-H3's reference audio in a cache trained with an edit model that has no use for it."""
+    inputs = checks.model_inputs(qwen_image_small().model)
+    shapes = _shapes({"clip.png": (16, 1, 8, 8)}, {"clip.png": {"reference_0": (16, 8, 8), "ref_audio_0": (32, 2, 5)}})
+    problems = checks.extra_problems(shapes, inputs.extras, "QwenImage")
+    assert len(problems) == 1 and "reference audio" in problems[0] and "'ref_audio_0'" in problems[0], problems
+    assert "remove the audio files" in problems[0]
+
+
 @pytest.mark.parametrize("row", ["WanVace", "WanS2V"])
 def test_expert_is_refused_on_the_single_model_wan_relatives(row, comfy_root, fixture_paths):
     """Wan 2.1 VACE and Wan 2.2 S2V are one model for every noise level: an A14B expert range is refused by name."""

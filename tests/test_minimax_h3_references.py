@@ -40,6 +40,19 @@ def _write_picture(path: Path, size: tuple[int, int], seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
+def write_clips_and_pictures(root: Path, captions: dict[str, str], pictures: dict[str, tuple[int, int]]):
+    """``(data, control)`` folders under ``root``: 12-frame 24 fps clips with their captions, and seeded pictures."""
+    data, control = root / "data", root / "control"
+    data.mkdir()
+    control.mkdir()
+    for name, caption in captions.items():
+        _write_video(data / name, frames=12, fps=24, size=(96, 48))
+        (data / name).with_suffix(".txt").write_text(caption, encoding="utf-8")
+    for i, (name, size) in enumerate(pictures.items()):
+        _write_picture(control / name, size, seed=i)
+    return data, control
+
+
 @pytest.fixture(scope="module")
 def h3_refs(comfy_root, tmp_path_factory):
     """Two clips with reference pictures, cached with MiniMax-H3's text encoder and reference_in_prompt auto."""
@@ -48,14 +61,7 @@ def h3_refs(comfy_root, tmp_path_factory):
     from pipetrainer.tests.custom_nodes.pipetrainer_test_nodes.tiny_minimax_h3_te import tiny_minimax_h3_clip
 
     root = tmp_path_factory.mktemp("h3_refs")
-    data, control = root / "data", root / "control"
-    data.mkdir()
-    control.mkdir()
-    for name, caption in CAPTIONS.items():
-        _write_video(data / name, frames=12, fps=24, size=(96, 48))
-        (data / name).with_suffix(".txt").write_text(caption, encoding="utf-8")
-    for i, (name, size) in enumerate(REFERENCES.items()):
-        _write_picture(control / name, size, seed=i)
+    data, control = write_clips_and_pictures(root, CAPTIONS, REFERENCES)
     vae, clip = tiny_wan21_vae(), tiny_minimax_h3_clip()
     out = {"data": data, "control": control, "vae": vae, "clip": clip, "root": root}
     out["run"] = lambda cache, **kw: _cache(out, cache, **kw)

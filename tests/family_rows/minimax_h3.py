@@ -93,6 +93,31 @@ def h3_reference_kwargs(cond, pooled, options, extras):
     return kwargs
 
 
+REFERENCE_AUDIO = (4, 2)  # two reference audio files' latent frames, [32, 2, Ta]
+
+
+def _reference_audio_extras(model, x0, g):
+    """Reference mode with sound (MiniMaxH3ReferenceToVideo with one ref_image and two ref_audios of their own
+    lengths): the picture's latent, the audio latents and the prompt's token tags beside the clip's audio latent."""
+    audio = {f"ref_audio_{i}": torch.randn(1, 32, 2, n, generator=g) for i, n in enumerate(REFERENCE_AUDIO)}
+    return {**_extras(model, x0, g), "reference_0": torch.randn(1, *REFERENCES[1], generator=g), **audio,
+            "minimax_token_tags": torch.tensor([TAGS], dtype=torch.int64)}
+
+
+def h3_reference_audio_kwargs(cond, pooled, options, extras):
+    """What ``MiniMaxH3.extra_conds`` hands the model for ``minimax_refs`` of kinds ``image`` then ``audio`` (the
+    node's order): the picture's latent among ``cond_video_latents``, each audio's among ``cond_audio_latents``."""
+    kwargs = h3_kwargs(cond, pooled, options, extras)
+    shape = REFERENCES[1]
+    refs = [{"kind": "image", "latent_h": shape[1], "latent_w": shape[2], "latent": extras["reference_0"][:, :, None]}]
+    refs += [{"kind": "audio", "ref_audio_t": n, "audio_latent": extras[f"ref_audio_{i}"]}
+             for i, n in enumerate(REFERENCE_AUDIO)]
+    kwargs["minimax_payload"].update(refs=refs, cond_video_latents=[refs[0]["latent"]],
+                                     cond_audio_latents=[r["audio_latent"] for r in refs[1:]],
+                                     text_token_tags=extras["minimax_token_tags"][0])
+    return kwargs
+
+
 ROWS = [
     Row("MiniMaxH3", "ComfyUI's MiniMaxH3 config class, 32 wide (the real model: 5376, 33 B), in memory",
         load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=5, comfy_kwargs=h3_kwargs,
@@ -103,4 +128,7 @@ ROWS = [
     Row("MiniMaxH3", "the same model in reference mode: two reference images' condition rows, each at its own size, "
         "and their vision tokens in the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT,
         tokens=len(TAGS), comfy_kwargs=h3_reference_kwargs, extras=_reference_extras, id="MiniMaxH3 references"),
+    Row("MiniMaxH3", "the same model in reference mode with sound: a reference image's and two reference audio files' "
+        "condition rows", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
+        comfy_kwargs=h3_reference_audio_kwargs, extras=_reference_audio_extras, id="MiniMaxH3 reference audio"),
 ]

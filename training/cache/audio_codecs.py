@@ -102,16 +102,32 @@ class MiniMaxH3AudioCodec:
         return self.model.latents_per_second / FRAME_RESCALE
 
     def encode(self, waveform: torch.Tensor, rate: int, frames: int, fps: float) -> torch.Tensor:
+        return self._encode(self._stereo_at_rate(waveform, rate))[..., :self.latent_frames(frames)]
+
+    def encode_whole(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+        """``[32, 2, Ta]`` of all of ``waveform`` ``[ch, n]``, as the H3 nodes encode a reference or guide audio
+        (``_encode_ref_audio``: resampled to the VAE's rate, then ``VAE.encode``, whose input crop keeps the centred
+        whole latent frames, ``n // 800 * 800`` samples from ``n % 800 // 2``; no cut to any clip)."""
+        waveform = self._stereo_at_rate(waveform, rate)
+        hop = int(self.model.samples_per_latent)
+        whole = waveform.shape[-1] // hop * hop
+        if whole == 0:
+            raise ValueError(f"it is shorter than one audio latent frame ({hop} samples at {self.rate} Hz).")
+        start = waveform.shape[-1] % hop // 2
+        return self._encode(waveform[:, start:start + whole])
+
+    def _stereo_at_rate(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
         from ..data.resample import resample
 
         if rate != self.rate:
             waveform = resample(waveform[None], rate, self.rate)[0]
-        if waveform.shape[0] == 1:
-            waveform = waveform.expand(2, -1)
+        return waveform.expand(2, -1) if waveform.shape[0] == 1 else waveform
+
+    def _encode(self, waveform: torch.Tensor) -> torch.Tensor:
         param = next(self.model.parameters())
         with torch.no_grad():
             latent = self.model.encode(waveform[None].to(device=param.device, dtype=param.dtype))
-        return latent[0, ..., :self.latent_frames(frames)].float().cpu()
+        return latent[0].float().cpu()
 
     def silence(self, seconds: float) -> tuple[torch.Tensor, int]:
         return torch.zeros(self.channels, max(1, round(seconds * self.rate))), self.rate

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..data.audio import SOUND, audio_preprocessing, read_clip_audio, track_digest
+from ..data.audio import NO_TRACK, SOUND, audio_preprocessing, read_audio, read_clip_audio, track_digest
 from .audio_codecs import codec_for
 from .buckets import Bucket
 from .keys import audio_key
@@ -93,3 +93,18 @@ class ClipSound:
             return {}
         samples, rate = self.waveform(entry, bucket, fps)
         return {AUDIO_LATENT: self.codec.encode(samples, rate, bucket.frames, fps).contiguous()}
+
+    def encode_reference(self, path: str) -> torch.Tensor:
+        """A reference audio file's latent ``[C, ch, Ta]``: the whole track at the audio VAE's rate and channels,
+        encoded as MiniMax-H3's nodes encode ``ref_audio`` (not cut to any clip), or an error naming the file."""
+        encode_whole = getattr(self.codec, "encode_whole", None)
+        if encode_whole is None:
+            raise ValueError(f"reference audio {os.path.basename(path)}: this audio VAE encodes clips only; reference "
+                             "audio is MiniMax-H3's (connect its audio VAE to the Cache node's audio_vae).")
+        sound = read_audio(path, self.codec.rate, self.codec.channels)
+        if sound.state == NO_TRACK:
+            raise ValueError(f"reference audio {os.path.basename(path)}: {sound.note}")
+        try:
+            return encode_whole(sound.samples, sound.sample_rate).contiguous()
+        except ValueError as exc:
+            raise ValueError(f"reference audio {os.path.basename(path)}: {exc}") from exc

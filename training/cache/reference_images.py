@@ -12,6 +12,12 @@ apart (the micro-batch groups by the latent entry's shapes).
 
 The references' content digests are part of the latent key either way: a changed reference re-encodes exactly its
 item (target and references, one entry).
+
+Reference audio (audio files among an item's references, after its pictures; the Dataset node's control folder) is
+for a style whose node takes it (``PromptStyle.max_audio``: MiniMax-H3's ``ref_audios``): each file whole, at the
+audio VAE's rate, encoded with the Cache node's audio VAE as ``ref_audio_0``, ``ref_audio_1``... (clip_sound.py
+``encode_reference``); in the prompt it is a label only (:class:`AudioInPrompt`). Its reading joins the latent key
+(:meth:`ReferenceImages.key_part`) beside the audio VAE's identity, which the clip's own sound already puts there.
 """
 
 from __future__ import annotations
@@ -21,11 +27,29 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..pipelines.base import reference_extra
+from ..data.dataset import is_audio
+from ..pipelines.base import reference_audio_extra, reference_extra
 from .buckets import Bucket, crop_fraction
 from .keys import prompt_signature
 from .media import load_image
-from .reference_prompt import PromptStyle, load_reference
+from .reference_prompt import AudioInPrompt, PromptStyle, audio_fix, load_reference
+
+_AUDIO_READING = {"read": "whole file, the audio VAE's rate and channels", "v": 1}
+
+
+def audio_problem(entries: Sequence[object], style: PromptStyle | None, sound_active: bool) -> str | None:
+    """Why the items' reference audio cannot be cached as asked (None: there is none, or it can)."""
+    with_audio = [os.path.basename(e.path) for e in entries if any(is_audio(r) for r in e.references)]
+    if not with_audio:
+        return None
+    named = ", ".join(with_audio[:5]) + (f" and {len(with_audio) - 5} more" if len(with_audio) > 5 else "")
+    if style is None or not style.max_audio:
+        return f"{named} have reference audio in the control folder: {audio_fix()}"
+    if not sound_active:
+        return (f"{named} have reference audio, which is encoded with the model's audio VAE: connect it to the Cache "
+                "node's audio_vae input.")
+    return None
+
 
 
 class ReferenceImages:
@@ -50,6 +74,8 @@ class ReferenceImages:
             return []
         notes = []
         for path, probe in zip(paths, probes, strict=True):
+            if is_audio(path):
+                continue
             lost = crop_fraction(probe.width, probe.height, bucket)
             if lost > threshold:
                 notes.append(f"{os.path.basename(path)} (reference of {item}): {lost:.0%} is cropped away to fit its "
@@ -62,12 +88,26 @@ class ReferenceImages:
         image = load_reference(path)
         return self.style.size(image, bucket.width, bucket.height) if self.sized else image
 
-    def encode(self, paths: Sequence[str], bucket: Bucket,
-               encode_latent: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each reference's latent (one frame), an error naming the reference that failed."""
+    def prompt_items(self, paths: Sequence[str], bucket: Bucket) -> list[torch.Tensor | AudioInPrompt]:
+        """What the style's node puts in the prompt for the references ``paths``: each picture's pixels
+        (:meth:`prompt_pixels`), each audio's label."""
+        return [AudioInPrompt() if is_audio(path) else self.prompt_pixels(path, bucket) for path in paths]
+
+    @staticmethod
+    def key_part(paths: Sequence[str]) -> dict[str, object]:
+        """What joins an item's latent key for its reference audio (how it is read; none without any)."""
+        return {"reference_audio": _AUDIO_READING} if any(is_audio(p) for p in paths) else {}
+
+    def encode(self, paths: Sequence[str], bucket: Bucket, encode_latent: Callable[[torch.Tensor], torch.Tensor],
+               encode_audio: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Each reference picture's latent (one frame) and each reference audio's (``encode_audio``), an error
+        naming the reference that failed."""
         size = Bucket(bucket.width, bucket.height)
         out = {}
-        for i, path in enumerate(paths):
+        sounds = [path for path in paths if is_audio(path)]
+        for j, path in enumerate(sounds):
+            out[reference_audio_extra(j)] = encode_audio(path)
+        for i, path in enumerate(p for p in paths if not is_audio(p)):
             try:
                 pixels = self.prompt_pixels(path, size) if self.sized else load_image(path, size)
             except Exception as exc:  # noqa: BLE001 - named in the skip reason instead of the item's own file

@@ -51,6 +51,7 @@ class PromptStyle:
     version: int
     conditioning: Callable[[object, str, list[torch.Tensor]], list]
     size: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    max_audio: int = 0  # reference audio files the node takes (their labels join the prompt, after the pictures)
 
     def identity(self) -> dict[str, object]:
         return {"style": self.name, "node": self.node, "v": self.version}
@@ -59,6 +60,12 @@ class PromptStyle:
         """The identity of captions and references encoded for a ``width`` x ``height`` target: the bucket
         counts only for a style that sizes its references against it."""
         return {**self.identity(), "target": [width, height]} if self.size else self.identity()
+
+
+@dataclass(frozen=True)
+class AudioInPrompt:
+    """A reference audio's place among the items a style's ``conditioning`` gets: its node labels it in the prompt
+    (MiniMax-H3: ``<Audio j>: ``) and its text encoder hears none of it."""
 
 
 def _adapters() -> list:
@@ -84,21 +91,25 @@ def styles_for(clip) -> list[PromptStyle]:
             for style in getattr(adapter, "reference_prompts", ())]
 
 
-def choose(mode: str, clip, references: Sequence[tuple[str, int]]) -> tuple[PromptStyle | None, list[str]]:
+def choose(mode: str, clip, references: Sequence[tuple[str, int]],
+           audio: Sequence[tuple[str, int]] = ()) -> tuple[PromptStyle | None, list[str]]:
     """The style the Cache encodes captions with (``None``: text only), or the problems, phrased as the fix.
 
-    ``references``: ``(file name, reference count)`` of each dataset item. ``auto`` is the family's first
-    style for an image-reading text encoder and a dataset with references, otherwise off."""
+    ``references``: ``(file name, reference image count)`` of each dataset item, ``audio`` its reference audio
+    count. ``auto`` is the family's first style for an image-reading text encoder and a dataset with references,
+    otherwise off. Reference audio needs a style whose node takes it."""
     known = modes()
     if mode not in known:
         return None, [f"reference_in_prompt must be one of {', '.join(known)} (got {mode!r})."]
+    with_audio = [(name, n) for name, n in audio if n]
+    unheard = [_audio_problem(with_audio)] if with_audio else []
     if mode == OFF:
-        return None, []
+        return None, unheard
     offered = styles_for(clip)
     with_refs = [(name, n) for name, n in references if n]
     if mode == AUTO:
-        if not offered or not with_refs:
-            return None, []
+        if not offered or not (with_refs or with_audio):
+            return None, unheard
         style = offered[0]
     else:
         style = next((s for s in offered if s.name == mode), None)
@@ -107,7 +118,7 @@ def choose(mode: str, clip, references: Sequence[tuple[str, int]]) -> tuple[Prom
             return None, [f"reference_in_prompt {mode} encodes captions as ComfyUI's {node} does, which needs that "
                           f"node's text encoder; the connected CLIP ({type(clip.cond_stage_model).__name__}) takes no "
                           "images: connect the edit model's text encoder, or set reference_in_prompt to auto or off."]
-        if not with_refs:
+        if not (with_refs or with_audio):
             return None, [f"reference_in_prompt {mode} puts each item's reference images into its prompt, but the "
                           "dataset has none: set the Dataset node's control_folder, or set reference_in_prompt to "
                           "auto or off."]
@@ -119,7 +130,18 @@ def choose(mode: str, clip, references: Sequence[tuple[str, int]]) -> tuple[Prom
         return None, [f"ComfyUI's {style.node} (reference_in_prompt {style.name}) takes at most {style.max_images} "
                       f"reference image(s), and these items have more: {shown}. Fix: {fix}remove their extra "
                       "references, or set reference_in_prompt to off."]
+    if with_audio and not style.max_audio:
+        return None, unheard
+    loud = [f"{name} ({n})" for name, n in with_audio if n > style.max_audio]
+    if loud:
+        return None, [f"ComfyUI's {style.node} takes at most {style.max_audio} reference audio file(s), and these "
+                      f"items have more: {', '.join(loud[:10])}. Remove their extra audio from the control folder."]
     return style, []
+
+
+def _audio_problem(with_audio: Sequence[tuple[str, int]]) -> str:
+    named = ", ".join(name for name, _ in with_audio[:5]) + (" and more" if len(with_audio) > 5 else "")
+    return f"{named} have reference audio in the Dataset node's control folder: {audio_fix()}"
 
 
 def load_reference(path: str) -> torch.Tensor:
@@ -132,3 +154,14 @@ def load_reference(path: str) -> torch.Tensor:
     with Image.open(path) as img:
         rgb = ImageOps.exif_transpose(img).convert("RGB")
         return torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0)[None]
+
+
+def audio_fix() -> str:
+    """What makes reference audio usable: the styles whose nodes take it."""
+    takers = [s for s in all_styles() if s.max_audio]
+    if not takers:
+        return "no model here takes reference audio; remove the audio files from the control folder."
+    nodes = " or ".join(dict.fromkeys(s.node for s in takers))
+    names = " or ".join(s.name for s in takers)
+    return (f"only {nodes} takes reference audio: connect that model's text encoder to 'Cache Latents & Text' with "
+            f"reference_in_prompt auto or {names}, or remove the audio files from the control folder.")

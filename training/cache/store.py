@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.dataset import DatasetSpec, ImageEntry
-from ..data.media_probe import Probe, probe_image, probe_video
+from ..data.dataset import DatasetSpec, ImageEntry, is_audio
+from ..data.media_probe import Probe, probe_audio, probe_image, probe_video
 from ..spec.options import CacheItem
 from .buckets import Bucket, crop_fraction, frame_bucket, nearest_bucket, plan_buckets
 from .clip_sound import ClipSound
@@ -52,7 +52,7 @@ from .masks import encode_variants, mask_size_problem
 from .media import load_image, load_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
-from .reference_images import ReferenceImages
+from .reference_images import ReferenceImages, audio_problem
 from .reference_prompt import PromptStyle
 from .report import CacheReport
 from .s2v_sound import S2VSound
@@ -196,7 +196,7 @@ class _Filler:
         if old and old.digest == digest:
             probe = Probe(*json.loads(old.probe))
         else:
-            probe = probe_video(entry.path) if entry.is_video else probe_image(entry.path)
+            probe = (probe_video if entry.is_video else probe_audio if is_audio(entry.path) else probe_image)(entry.path)
         self.index.put_source(entry.path, Source.of(st, digest, json.dumps(dataclasses.astuple(probe))))
         return digest, probe
 
@@ -214,7 +214,7 @@ class _Filler:
                 raise ValueError(problem)
         vace = self.vace.key_part(entry, lambda path: self.source(ImageEntry(path, ""), known)[0])
         return variants_signature({**latent_variants(d.flip, d.mask, digest), **vace, **self.sound.key_part(entry),
-                                                   **self.s2v.key_part(entry)})
+                                   **self.s2v.key_part(entry), **self.references.key_part(entry.references)})
 
     def plan(self) -> list[ItemPlan]:
         s = self.settings
@@ -226,6 +226,9 @@ class _Filler:
                              f"{self.start_prompt.style.node} does, and reference_in_prompt {self.reference_prompt.name} the "
                              f"reference images as {self.reference_prompt.node} does; no node does both: set the Cache's "
                              "start_image off, or reference_in_prompt off, or clear the Dataset's control_folder.")
+        unheard = audio_problem(self.dataset.entries, self.reference_prompt, self.sound.active)
+        if unheard:
+            raise ValueError(unheard)
         plan = plan_buckets(s)
         self.report.notes.extend(plan.notes)
         if self.reference_prompt is not None:
@@ -330,7 +333,8 @@ class _Filler:
             tensors = {"latent": self.encoders.encode_latent(pixels)}
             tensors.update(encode_variants(pixels, tensors["latent"], self.dataset.flip, self.dataset.mask,
                                            planned.entry.path, planned.entry.mask, b, self.encoders.encode_latent))
-            tensors.update(self.references.encode(planned.entry.references, b, self.encoders.encode_latent))
+            tensors.update(self.references.encode(planned.entry.references, b, self.encoders.encode_latent,
+                                                  self.sound.encode_reference))
             tensors.update(self._prep_extras_of(planned))
             tensors.update(self.start_image.encode(pixels, tensors["latent"], self.encoders.encode_latent))
             tensors.update(self.vace.encode(planned.entry, b, self.settings.fps, tensors))
@@ -351,7 +355,7 @@ class _Filler:
             return self.start_prompt.encode_item(self.encoders.clip, planned, self.settings.fps)
         if not (self.prompt_sig and planned.references):
             return self.encoders.encode_text(planned.text)
-        images = [self.references.prompt_pixels(path, planned.bucket) for path in planned.entry.references]
+        images = self.references.prompt_items(planned.entry.references, planned.bucket)
         return self.encoders.encode_text_with_references(planned.text, images, self.reference_prompt)
 
     @property

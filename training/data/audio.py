@@ -7,7 +7,7 @@ track's own timestamps (so an audio stream that starts before or after the pictu
 is decoded to float32 planar at the track's own rate, its channels mapped the way ComfyUI's encoders do
 (mono to stereo by copying, see the LTX-2 audio VAE's ``encode``; stereo to mono by the mean, see ComfyUI's
 Whisper features), then resampled with resample.py (ComfyUI's filter, without torchaudio) and cut at the
-target rate. Standalone audio files (``AUDIO_EXTENSIONS``) read the same way, whole or cut.
+target rate. Standalone audio files (dataset.py ``AUDIO_EXTENSIONS``) read the same way, whole or cut.
 
 A clip without sound is a state of the result, not an exception: ``NO_TRACK`` (no audio stream PyAV can
 decode) or ``SILENT`` (a track whose kept span is digital silence); the family decides whether such a
@@ -25,7 +25,6 @@ import torch
 
 from .resample import ROLLOFF, ZERO_CROSSINGS, resample
 
-AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a")
 SOUND, SILENT, NO_TRACK = "sound", "silent", "no_track"
 SILENCE_PEAK = 1e-4  # -80 dBFS: below this everywhere in the span, the clip counts as silent
 _MARGIN_S = 0.25  # decoded past the span's end, so the resampling filter sees real neighbours there

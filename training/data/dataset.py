@@ -9,7 +9,10 @@ paired by file-name stem as the other trainers do: ``name.png`` is reference 0 o
 is itself a training image's stem is that image's reference 0, so ``cat_1.png`` belongs to a training
 image ``cat_1`` when there is one. A training image without references, a gap in the numbering, two
 files for one reference and control files that pair with no training image are errors naming the files:
-silently training an edit model on half its pairs is the costly mistake. A dataset with videos pairs its
+silently training an edit model on half its pairs is the costly mistake. Audio files in the control folder
+are reference audio, numbered the same way on their own (``name.wav`` is reference audio 0, ``name_1.flac``
+reference audio 1: MiniMax-H3's ``ref_audios``, ``<Audio 1>`` and on in the prompt), after the item's pictures in
+``ImageEntry.references``; an item with reference audio needs no picture. A dataset with videos pairs its
 control folder as Wan VACE control clips instead (``name.mp4`` and an optional ``name_mask.*``, in
 ``ImageEntry.controls``; dataset_controls.py), with the same one-pass report of every problem.
 The bucket settings (aspect ratios, resolutions, video frames and fps) travel with the dataset so the
@@ -31,10 +34,16 @@ from .media_check import audio_problems, media_problems
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a")  # reference audio (MiniMax-H3's ref_audios)
 CAPTION_POLICIES = ("error", "skip", "empty")
 # Sound, for families that train on it: "off" (today's families: nothing is checked), "optional" (clips
 # without an audio track are named and train with the family's no-audio input), "required" (they are refused).
 AUDIO_POLICIES = ("off", "optional", "required")
+
+
+def is_audio(path: str) -> bool:
+    """Whether ``path`` is an audio file (a reference audio among an item's references)."""
+    return path.lower().endswith(AUDIO_EXTENSIONS)
 
 
 class DatasetError(ValueError):
@@ -47,7 +56,7 @@ class ImageEntry:
 
     path: str
     caption: str
-    references: tuple[str, ...] = ()  # reference image paths in reference order (the control folder)
+    references: tuple[str, ...] = ()  # reference image paths in reference order, then reference audio (control folder)
     mask: str = ""  # the loss mask's file (mask folder; dataset_masks.py), "" = none or the image's alpha
     controls: tuple[str, ...] = ()  # VACE control clips, masks, reference (control folder; dataset_controls.py)
 
@@ -145,10 +154,12 @@ class DatasetSpec:
             lines.append(f"VACE control clips in {self.control_folder}: {'one' if per == '1' else per} per clip, "
                          f"{masks} with a mask" + (f", {refs} with a reference image" if refs else ""))
         elif self.control_folder:
+            sounds = sum(is_audio(r) for e in self.entries for r in e.references)
             counts = sorted({len(e.references) for e in self.entries})
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-            lines.append(f"{sum(len(e.references) for e in self.entries)} reference images in {self.control_folder} "
-                         f"({per} per item)")
+            lines.append(f"{sum(len(e.references) for e in self.entries) - sounds} reference images "
+                         + (f"and {sounds} reference audio files " if sounds else "")
+                         + f"in {self.control_folder} ({per} per item)")
         if self.captions.report():
             lines.append(self.captions.report())
         if self.flip != "none":
@@ -182,19 +193,21 @@ def _stem(name: str) -> str:
 
 
 def pair_references(images: list[str], control_files: list[str], control_folder: str | Path,
-                    required: list[str] | None = None) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """Pair the control folder's image files with the training files ``images`` by stem.
+                    required: list[str] | None = None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+                    optional: bool = False) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Pair the control folder's files of ``extensions`` (reference images by default) with the training files
+    ``images`` by stem.
 
     Returns ``(training file name -> reference paths in reference order, problems)``; every problem
-    names the files concerned. Each file of ``required`` (default: all) needs reference 0 and an
-    unbroken numbering; the others (skipped for a missing caption) only claim their references, so
-    those do not count as unpaired.
+    names the files concerned. Each file of ``required`` (default: all) needs reference 0 (unless
+    ``optional``) and an unbroken numbering; the others (skipped for a missing caption) only claim their
+    references, so those do not count as unpaired.
     """
     control_folder = str(control_folder)
     stems = {_stem(n): n for n in images}
     found: dict[str, dict[int, list[str]]] = {}
     unpaired = []
-    for name in sorted(n for n in control_files if n.lower().endswith(IMAGE_EXTENSIONS)):  # captions, notes: ignored
+    for name in sorted(n for n in control_files if n.lower().endswith(extensions)):  # captions, notes: ignored
         stem = _stem(name)
         numbered = _NUMBERED.match(stem)
         if stem in stems:
@@ -211,7 +224,7 @@ def pair_references(images: list[str], control_files: list[str], control_folder:
         problems.append(f"{len(duplicates)} reference(s) in {control_folder} have several files (one reference, one "
                         f"file): {'; '.join(duplicates)}. Keep one of each.")
     required = images if required is None else required
-    without = [n for n in required if n not in found]
+    without = [] if optional else [n for n in required if n not in found]
     if without:
         expected = ", ".join(f"{n} (needs {_stem(n)}.png or another image type)" for n in without[:20])
         more = f" and {len(without) - 20} more" if len(without) > 20 else ""
@@ -362,11 +375,14 @@ def _with_references(folder: Path, images: list[str], entries: list[ImageEntry],
         files = sorted(e.name for e in listing if e.is_file())
     if is_control_dataset(images, files, VIDEO_EXTENSIONS):  # VACE control clips, not reference images
         return with_controls(images, entries, files, control, buckets or BucketSettings((0,)))
-    refs, problems = pair_references(images, _image_files(control), control,
-                                     required=[os.path.basename(e.path) for e in entries])
+    kept = [os.path.basename(e.path) for e in entries]
+    sounds, problems = pair_references(images, files, control, required=kept, extensions=AUDIO_EXTENSIONS,
+                                       optional=True)
+    refs, picture_problems = pair_references(images, files, control, required=[n for n in kept if n not in sounds])
+    problems = picture_problems + problems
     if problems:
         raise DatasetError("\n".join(problems))
-    return [ImageEntry(e.path, e.caption, refs[os.path.basename(e.path)]) for e in entries]
+    return [ImageEntry(e.path, e.caption, refs.get(n, ()) + sounds.get(n, ())) for e, n in zip(entries, kept, strict=True)]
 
 
 def with_controls(images: list[str], entries: list[ImageEntry], files: list[str], control: Path,

@@ -44,3 +44,14 @@ def probe_video(path: str) -> Probe:
     step = 1.0 / float(stream.average_rate) if stream.average_rate else 0.0
     duration = max(times) - min(times) + step
     return Probe(width, height, duration)
+
+
+def probe_audio(path: str) -> Probe:
+    """An audio file (a reference audio): no picture, its duration; an error when PyAV finds no audio track."""
+    import av
+
+    with av.open(path) as container:
+        if not container.streams.audio:
+            raise ValueError("the file has no audio track")
+        duration = float(container.duration) / av.time_base if container.duration else 0.0
+    return Probe(0, 0, duration)

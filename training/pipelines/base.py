@@ -134,6 +134,15 @@ def reference_extra(index: int) -> str:
     return f"{REFERENCE_PREFIX}{index}"
 
 
+REFERENCE_AUDIO_PREFIX = "ref_audio_"
+
+
+def reference_audio_extra(index: int) -> str:
+    """The extra name of an item's ``index``-th reference audio (0-based, the Dataset node's order): the cache stores
+    the audio VAE's latent of the whole file under this name in the item's latent entry."""
+    return f"{REFERENCE_AUDIO_PREFIX}{index}"
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Spatial, temporal and frame-count rules of the model's latent input.

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from ..cache.start_image import CLIP_FEA, START_IMAGE_EXTRAS
 from ..objective.loss import prediction_type
 from ..spec.options import TimestepSpec
-from .base import REFERENCE_PREFIX, ExtraSpec, Geometry, UnknownFamilyError, adapter_for, family_name_for
+from .base import (
+    REFERENCE_AUDIO_PREFIX,
+    REFERENCE_PREFIX,
+    ExtraSpec,
+    Geometry,
+    UnknownFamilyError,
+    adapter_for,
+    family_name_for,
+)
 from .options import parse_family_options
 from .targets import model_targets
 
@@ -199,6 +207,7 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
     wrong: dict[str, list[str]] = {}
     unused: dict[str, list[str]] = {}
     unused_start: dict[str, list[str]] = {}
+    unheard: dict[str, list[str]] = {}
     for source, latent_entry, text_entry in shapes.items:
         latent = shapes.latents.get(latent_entry)
         if latent is None:
@@ -207,6 +216,8 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         for name in shapes.extras.get(latent_entry, {}):
             if name.startswith(REFERENCE_PREFIX) and name not in specs:
                 unused.setdefault(name, []).append(source)
+            elif name.startswith(REFERENCE_AUDIO_PREFIX) and name not in specs:
+                unheard.setdefault(name, []).append(source)
             elif name in START_IMAGE_EXTRAS and name not in specs:
                 unused_start.setdefault(name, []).append(source)
         for name, spec in specs.items():
@@ -239,6 +250,10 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         out.append(f"The cache holds reference images the {family} model would ignore ({held}): the model {what}. "
                    "Remove those references from the control folder (or clear control_folder), or load an edit "
                    "model, and cache again.")
+    if unheard:
+        held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unheard.items()))
+        out.append(f"The cache holds reference audio the {family} model would ignore ({held}): remove the audio files "
+                   "from the control folder (or load the model they are for) and cache again.")
     if unused_start:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unused_start.items()))
         takes = sorted(n for n in specs if n in START_IMAGE_EXTRAS)

@@ -48,8 +48,11 @@ Reference mode (``MiniMaxH3ReferenceToVideo`` with ``ref_images``; a Dataset con
 and the Cache node's ``reference_in_prompt``, training/pipelines/minimax_h3_prompt.py) adds ``ref_img`` condition
 rows the same way: each picture's latent at its own size (``reference_0``...), after the keyframe rows, each one
 shifting the targets' rotary timeline by one, as ``PackedLayout`` packs ``minimax_refs`` of kind ``image``; the
-pictures are in the prompt too. Reference videos and audio and ``MiniMaxH3AddGuide`` guides at other frames or with
-audio are not fed yet; a LoRA trained in any mode is sampled by every mode. Blocks update the residual stream in place
+pictures are in the prompt too. Standalone reference audio (``ref_audios``: the control folder's audio files) adds
+``ref_audio`` rows after the pictures' rows: each file's audio latent through ``_cond_audio_rows``, projected with the
+target audio, at ``max(t_a, AUDIO_COND_TIMESTEP)``, each one shifting the targets' timeline by its length; the prompt
+labels it ``<Audio j>``. Reference videos and ``MiniMaxH3AddGuide`` guides are not fed yet; a LoRA trained in any mode
+is sampled by every mode. Blocks update the residual stream in place
 (``addcmul_`` on segment views), so each runs on a private copy under :mod:`.out_of_place`. Only current ComfyUI has
 ``MiniMaxH3``.
 """
@@ -66,7 +69,16 @@ from torch import nn
 
 from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS, START_IMAGE_PROMPT
 from ..data.joint_latent import pack_streams, unpack_streams
-from .base import Batch, ExtraSpec, Geometry, StageLayer, reference_extra, refuse_unsupported, register
+from .base import (
+    Batch,
+    ExtraSpec,
+    Geometry,
+    StageLayer,
+    reference_audio_extra,
+    reference_extra,
+    refuse_unsupported,
+    register,
+)
 from .minimax_h3_layout import (
     KEYFRAMES,
     TEXT_TAG,
@@ -94,8 +106,9 @@ _TARGETS = {
 }
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
 COND_SEED = 0  # the condition noise augmentation's seed: ``MiniMaxH3.extra_conds``' default (see ``_cond_rows``)
-_T_ROWS = 3  # distinct timesteps at most: video, audio, condition rows (keyframes, references)
+_T_ROWS = 4  # distinct timesteps at most: video, audio, video condition rows, audio condition rows
 MAX_REFERENCES = 9  # MiniMaxH3ReferenceToVideo's ref_images
+MAX_REFERENCE_AUDIO = 3  # and its ref_audios
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,7 @@ class MiniMaxH3Embed(StageLayer):
         self.scale = audio_scale(dm)
         self._preprocess_text = dm.preprocess_text_embeds
         self._video_cond_rows = dm._cond_video_rows  # ComfyUI's, reading only the model's patch size
+        self._audio_cond_rows = dm._cond_audio_rows
 
     def _t_emb(self, t_vals: torch.Tensor, dtype) -> torch.Tensor:
         """ComfyUI's table of the distinct timesteps' embeddings (time embedder, or the curve-form lerp)."""
@@ -166,10 +180,25 @@ class MiniMaxH3Embed(StageLayer):
             return None
         return self._video_cond_rows({"cond_video_latents": list(latents), "seed": COND_SEED}, device)
 
-    def _example(self, vx, ax, timestep, context, conditions: Conditions, latents: Sequence[torch.Tensor]):
+    def _audio_rows(self, ax: torch.Tensor, latents: Sequence[torch.Tensor], update: torch.Tensor) -> torch.Tensor:
+        """The target audio's rows and the reference audio's (``_cond_audio_rows``: its noise augmentation at
+        ``AUDIO_COND_TIMESTEP``, seed + 1) placed as ``_forward`` places them, for one projection of them all."""
+        from comfy.ldm.minimax.model import pack_audio
+
+        rows = pack_audio(ax.to(torch.float32))
+        if not latents:
+            return rows
+        cond = self._audio_cond_rows({"cond_audio_latents": list(latents), "seed": COND_SEED}, rows.device)
+        out = torch.empty(update.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
+        out[~update] = cond
+        out[update] = rows
+        return out
+
+    def _example(self, vx, ax, timestep, context, conditions: Conditions, latents: Sequence[torch.Tensor],
+                 audio_latents: Sequence[torch.Tensor] = ()):
         """One example as ``MiniMaxH3Model.forward`` and ``_forward`` embed it: ``(h, t_emb, carried audio, meta)``."""
         import comfy.ldm.common_dit
-        from comfy.ldm.minimax.model import VISUAL_COND_TIMESTEP, pack_audio, patchify_video, time_shift_sigma
+        from comfy.ldm.minimax.model import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, patchify_video, time_shift_sigma
 
         shift_v, shift_a = self.shifts
         sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
@@ -185,10 +214,13 @@ class MiniMaxH3Embed(StageLayer):
         times = {"v": (1.0 - sigma_v).view(1), "a": (1.0 - sigma_a).view(1)}
         t_v, t_a = (float(times[k].detach()) for k in ("v", "a"))
         by_value = {t_a: times["a"], t_v: times["v"]}
-        t_c = None
+        t_c = t_ca = None
         if latents:
             t_c = max(t_v, VISUAL_COND_TIMESTEP)
             by_value.setdefault(t_c, times["v"].clamp(min=VISUAL_COND_TIMESTEP))
+        if audio_latents:  # reference audio rows run at max(t_a, AUDIO_COND_TIMESTEP)
+            t_ca = max(t_a, AUDIO_COND_TIMESTEP)
+            by_value.setdefault(t_ca, times["a"].clamp(min=AUDIO_COND_TIMESTEP))
         unique_t = sorted(by_value)
         video_rows = patchify_video(video_x.to(torch.float32), self.patch)
         cond_rows = self._cond_rows(latents, device)
@@ -199,7 +231,8 @@ class MiniMaxH3Embed(StageLayer):
             rows[update] = video_rows
             video_rows = rows
         video_embed = self.video_patch_proj(video_rows).to(dtype)
-        audio_embed = self.audio_patch_proj(pack_audio(ax.to(torch.float32))).to(dtype)
+        audio_embed = self.audio_patch_proj(self._audio_rows(ax, audio_latents, layout.audio_update.to(device)))
+        audio_embed = audio_embed.to(dtype)
         pieces, v_off, a_off = [], 0, 0
         for start, stop, kind in layout.segments:  # in order: text | keyframe rows | reference rows | audio | video
             n = stop - start
@@ -213,9 +246,9 @@ class MiniMaxH3Embed(StageLayer):
                 a_off += n
         h = torch.cat(pieces)
         t_emb = self._t_emb(torch.cat([by_value[t] for t in unique_t]).to(device=h.device), dtype)
-        row_c = unique_t.index(t_c) if t_c is not None else -1
+        row_c, row_ca = (unique_t.index(t) if t is not None else -1 for t in (t_c, t_ca))
         meta = torch.cat([torch.tensor([context.shape[1]], dtype=torch.int64), float_bits(sigma_v.view(1).detach()),
-                          torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t), row_c],
+                          torch.tensor([unique_t.index(t_v), unique_t.index(t_a), len(unique_t), row_c, row_ca],
                                        dtype=torch.int64)])
         return h, t_emb, ax, meta
 
@@ -224,12 +257,14 @@ class MiniMaxH3Embed(StageLayer):
         b = packed.shape[0]
         v_shape, a_shape, conditions, _ = Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
+        videos = len(latents) - conditions.references.sounds  # video condition latents first, then the audio ones
         rows = []
         for i in range(b):
             n = int(tokens[i, 0])
             text = self._preprocess_text(context[i:i + 1, :n])  # MiniMaxH3.extra_conds' step, at the caption's length
             own = [k[i:i + 1] for k in latents]
-            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text, conditions, own))
+            rows.append(self._example(vx[i:i + 1], ax[i:i + 1], timestep[i:i + 1], text, conditions, own[:videos],
+                                      own[videos:]))
         longest = max(r[0].shape[0] for r in rows)
         h = torch.stack([nn.functional.pad(r[0], (0, 0, 0, longest - r[0].shape[0])) for r in rows])
         t_emb = torch.stack([nn.functional.pad(r[1], (0, 0, 0, _T_ROWS - r[1].shape[0])) for r in rows])
@@ -317,8 +352,8 @@ def _five_d(latent: torch.Tensor) -> torch.Tensor:
 def _condition_problem(conditions: Conditions, extras: Mapping[str, torch.Tensor], tags: torch.Tensor,
                        tokens: torch.Tensor) -> str | None:
     """Condition latents whose captions were not encoded as the node that makes those latents encodes them."""
-    keyframes, references = bool(conditions.keyframes.which), bool(conditions.references.sizes)
-    if keyframes and references:
+    keyframes, references = bool(conditions.keyframes.which), bool(conditions.references.pictures)
+    if keyframes and conditions.references.blocks:
         return ("This MiniMax-H3 cache has first/last keyframes and reference images together, which no one ComfyUI "
                 "node makes (MiniMaxH3ImageToVideo or MiniMaxH3ReferenceToVideo): set the Cache node's start_image "
                 "off or clear the Dataset node's control_folder, and cache again.")
@@ -399,6 +434,11 @@ class MiniMaxH3Adapter:
                 shape=("C", "*", "*"), required=False,
                 description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i}, "
                             f"<Picture {i + 1}> in the prompt), a condition")
+        for i in range(MAX_REFERENCE_AUDIO):
+            out[reference_audio_extra(i)] = ExtraSpec(
+                shape=(int(dm.audio_latents_dim), 2, "*"), required=False,
+                description=f"reference audio {i + 1}, the whole file (MiniMaxH3ReferenceToVideo's ref_audio_{i}, "
+                            f"<Audio {i + 1}> in the prompt), a condition")
         return out
 
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
@@ -423,6 +463,7 @@ class MiniMaxH3Adapter:
         if problem:
             raise ValueError(problem)
         latents = [_five_d(batch.extras[name]) for name in conditions.names(batch.extras)]
+        latents += [batch.extras[name] for name in conditions.audio_names(batch.extras)]
         return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), Sizes.make(v_shape, a_shape, conditions),
                 tags.to(torch.int64), *latents)
 

@@ -34,24 +34,24 @@ def from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 class Sizes:
     """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the condition rows (:class:`Conditions`: which
-    of :data:`KEYFRAMES` as bits and their latent frames, the reference count and each one's latent height and
-    width), then the rotary ``inv_freq`` bits."""
+    of :data:`KEYFRAMES` as bits and their latent frames, the reference count and each one's block, 4 numbers), then
+    the rotary ``inv_freq`` bits."""
 
     @staticmethod
     def make(v_shape: Sequence[int], a_shape: Sequence[int], conditions: Conditions,
              inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
-        refs = conditions.references.sizes
+        refs = conditions.references.blocks
         head = torch.tensor([*v_shape[1:], *a_shape[1:], conditions.keyframes.which, conditions.keyframes.frames,
-                             len(refs), *(s for hw in refs for s in hw)], dtype=torch.int64)
+                             len(refs), *(s for block in refs for s in block)], dtype=torch.int64)
         return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
 
     @staticmethod
     def read(sizes: torch.Tensor, batch: int):
         v = [batch, *(int(s) for s in sizes[0:4])]
         a = [batch, *(int(s) for s in sizes[4:7])]
-        n = int(sizes[9])
-        refs = References(tuple((int(sizes[10 + 2 * i]), int(sizes[11 + 2 * i])) for i in range(n)))
-        return v, a, Conditions(Keyframes(int(sizes[7]), int(sizes[8])), refs), sizes[10 + 2 * n:]
+        n, w = int(sizes[9]), References.WIDTH
+        refs = References(tuple(tuple(int(s) for s in sizes[10 + w * i:10 + w * (i + 1)]) for i in range(n)))
+        return v, a, Conditions(Keyframes(int(sizes[7]), int(sizes[8])), refs), sizes[10 + w * n:]
 
 
 @dataclass(frozen=True)
@@ -86,31 +86,57 @@ class Keyframes:
         return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
 
 
+REF_IMAGE, REF_AUDIO = 0, 1  # a reference block's kind: ComfyUI's minimax_refs kinds "image" and "audio"
+
+
 @dataclass(frozen=True)
 class References:
-    """The reference images of ``MiniMaxH3ReferenceToVideo`` (``ref_images``), in order: each one's latent
-    ``(height, width)`` (each is one image at its own size, encoded alone; the node's ``minimax_refs`` blocks of kind
-    ``image``)."""
+    """The references of ``MiniMaxH3ReferenceToVideo`` in its order: ``ref_images`` (each one image at its own size,
+    encoded alone), then standalone ``ref_audios`` (each a whole file's audio latent). A block is ``(kind, latent
+    height, latent width, audio latent frames)``: ``(REF_IMAGE, h, w, 0)`` or ``(REF_AUDIO, 0, 0, Ta)``."""
 
-    sizes: tuple[tuple[int, int], ...] = ()
+    blocks: tuple[tuple[int, int, int, int], ...] = ()
+    WIDTH = 4  # numbers a block takes in :class:`Sizes`
 
     @staticmethod
     def of(extras: Mapping[str, torch.Tensor]) -> References:
-        return References(tuple(tuple(int(s) for s in extras[name].shape[-2:]) for name in reference_names(extras)))
+        pictures = tuple((REF_IMAGE, *(int(s) for s in extras[name].shape[-2:]), 0) for name in reference_names(extras))
+        sounds = tuple((REF_AUDIO, 0, 0, int(extras[name].shape[-1])) for name in reference_audio_names(extras))
+        return References(pictures + sounds)
 
-    def blocks(self) -> list[dict]:
-        """ComfyUI's ``minimax_refs`` entries for :class:`PackedLayout` (it reads the kind and the latent size)."""
-        return [{"kind": "image", "latent_h": h, "latent_w": w} for h, w in self.sizes]
+    @property
+    def pictures(self) -> int:
+        return sum(kind == REF_IMAGE for kind, *_ in self.blocks)
+
+    @property
+    def sounds(self) -> int:
+        return sum(kind == REF_AUDIO for kind, *_ in self.blocks)
+
+    def comfy_blocks(self) -> list[dict]:
+        """ComfyUI's ``minimax_refs`` entries for :class:`PackedLayout` (it reads the kind and the sizes)."""
+        return [{"kind": "image", "latent_h": h, "latent_w": w} if kind == REF_IMAGE
+                else {"kind": "audio", "ref_audio_t": rt} for kind, h, w, rt in self.blocks]
+
+
+def _numbered(extras: Mapping[str, torch.Tensor], name_of) -> list[str]:
+    names = []
+    while name_of(len(names)) in extras:
+        names.append(name_of(len(names)))
+    return names
 
 
 def reference_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
-    """The reference extras present, ``reference_0`` onwards without a gap (the Dataset's numbering)."""
+    """The reference picture extras present, ``reference_0`` onwards without a gap (the Dataset's numbering)."""
     from .base import reference_extra
 
-    names = []
-    while reference_extra(len(names)) in extras:
-        names.append(reference_extra(len(names)))
-    return names
+    return _numbered(extras, reference_extra)
+
+
+def reference_audio_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
+    """The reference audio extras present, ``ref_audio_0`` onwards without a gap (the Dataset's numbering)."""
+    from .base import reference_audio_extra
+
+    return _numbered(extras, reference_audio_extra)
 
 
 @dataclass(frozen=True)
@@ -125,19 +151,25 @@ class Conditions:
         return Conditions(Keyframes.of(extras), References.of(extras))
 
     def names(self, extras: Mapping[str, torch.Tensor]) -> list[str]:
-        """The extras whose latents become condition rows, in the order ``_cond_video_rows`` takes them."""
+        """The extras whose latents become video condition rows, in the order ``_cond_video_rows`` takes them."""
         return self.keyframes.names() + reference_names(extras)
+
+    @staticmethod
+    def audio_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
+        """The extras whose latents become audio condition rows, in the order ``_cond_audio_rows`` takes them."""
+        return reference_audio_names(extras)
 
 
 class Meta:
-    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio and the
-    condition rows' timestep (keyframes and references alike) in its table of distinct timesteps (-1: none), and
-    that table's length."""
+    """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio, the
+    table's length, then the video condition rows' timestep (keyframes and reference pictures alike) and the audio
+    condition rows' (reference audio) in its table of distinct timesteps (-1: none)."""
 
     @staticmethod
-    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int]:
+    def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int, int]:
         row = meta[i]
-        return int(row[0]), from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[5]), int(row[4])
+        return (int(row[0]), from_bits(row[1:2])[0], int(row[2]), int(row[3]), int(row[5]), int(row[6]),
+                int(row[4]))
 
 
 @functools.lru_cache(maxsize=16)
@@ -148,7 +180,7 @@ def packed_layout(text_len: int, latent_t: int, lat_h: int, lat_w: int, audio_t:
 
     return PackedLayout(text_len, latent_t, lat_h, lat_w, audio_t,
                         keyframes=conditions.keyframes.anchors(latent_t) or None,
-                        refs=conditions.references.blocks() or None)
+                        refs=conditions.references.comfy_blocks() or None)
 
 
 def tag_runs(tags: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -170,7 +202,7 @@ class ExampleStructure:
     """One example's structure in a block or the final layer: its layout, sequence length and timestep rows."""
 
     def __init__(self, meta: torch.Tensor, i: int, v_shape, a_shape, conditions: Conditions, patch):
-        self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.distinct = Meta.read(meta, i)
+        self.text_len, self.sigma_v, self.row_v, self.row_a, self.row_c, self.row_ca, self.distinct = Meta.read(meta, i)
         t, h, w = padded_spatial(v_shape, patch)
         self.layout = packed_layout(self.text_len, t, h, w, int(a_shape[3]), conditions)
         self.length = self.layout.seq_len
@@ -179,7 +211,8 @@ class ExampleStructure:
         """ComfyUI's ``mod_segments``: row ``3 * timestep row + modality tag`` per segment, the text span split into
         runs of the text encoder's token tags (vision tokens carry the video tag)."""
         rows = {"audio": 3 * self.row_a + AUDIO_TAG, "video": 3 * self.row_v + VIDEO_TAG,
-                "cond": 3 * self.row_c + VIDEO_TAG, "ref_img": 3 * self.row_c + VIDEO_TAG}
+                "cond": 3 * self.row_c + VIDEO_TAG, "ref_img": 3 * self.row_c + VIDEO_TAG,
+                "ref_audio": 3 * self.row_ca + AUDIO_TAG}
         out = []
         for a, b, kind in self.layout.segments:
             if kind == "text":

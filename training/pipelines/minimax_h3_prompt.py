@@ -14,8 +14,9 @@ reference, keeping its aspect, down to the pixel area of the video it generates 
 resizes it there (lanczos, no crop), and both tokenizes the prompt with the resized pictures
 (``minimax_ref_items``: ``<Picture i>: `` and its vision block each, then the caption) and VAE-encodes them, each
 alone, as the ``minimax_refs`` the model reads as condition rows. The cache does the same against the item's bucket
-(training/cache/reference_prompt.py ``PromptStyle.size``). The node's reference videos and audio have no dataset
-form here yet.
+(training/cache/reference_prompt.py ``PromptStyle.size``). Its standalone reference audio (``ref_audios``, at most
+three: the Dataset's audio files in the control folder) is a ``<Audio j>: `` label in the prompt, after the pictures,
+and the audio VAE's latent of the whole file. Its reference videos have no dataset form here yet.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 
 import torch
 
-from ..cache.reference_prompt import PromptStyle
+from ..cache.reference_prompt import AudioInPrompt, PromptStyle
 from ..cache.start_image import FIRST_LAST_FRAMES, keyframe_images
 from ..cache.start_image_prompt import StartImagePromptStyle
 
@@ -66,11 +67,14 @@ def match_size(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return comfy.utils.common_upscale(pixels, tw, th, "lanczos", "disabled").movedim(1, -1)
 
 
-def _references(clip, caption: str, images: list[torch.Tensor]) -> list:
-    """``MiniMaxH3ReferenceToVideo``'s conditioning before it adds the references' latents (``images`` sized)."""
-    tokens = clip.tokenize(caption, minimax_ref_items=[{"type": "image", "data": image} for image in images])
+def _references(clip, caption: str, items: list[torch.Tensor | AudioInPrompt]) -> list:
+    """``MiniMaxH3ReferenceToVideo``'s conditioning before it adds the references' latents (``items``: the pictures
+    sized, then the audio labels, the node's order)."""
+    ref_items = [{"type": "audio"} if isinstance(item, AudioInPrompt) else {"type": "image", "data": item}
+                 for item in items]
+    tokens = clip.tokenize(caption, minimax_ref_items=ref_items)
     return clip.encode_from_tokens_scheduled(tokens)
 
 
 MINIMAX_H3_REFERENCES = PromptStyle(REFERENCES_STYLE, "MiniMaxH3ReferenceToVideo", max_images=9, version=1,
-                                    conditioning=_references, size=match_size)
+                                    conditioning=_references, size=match_size, max_audio=3)
