@@ -16,8 +16,9 @@ from ..training.cache.s2v_sound import S2VSound
 from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, StartImage
 from ..training.cache.store import build_cache
 from ..training.cache.vace_control import VACE_CONTROL_MODES, VaceControl
-from ..training.data.dataset import is_audio
+from ..training.data.dataset import is_audio, is_picture, is_video
 from .checks import preflight
+from .load_video import LoadVideoReader
 from .run.progress_text import show_text
 from .types import CATEGORY, Cache, Dataset
 
@@ -102,11 +103,11 @@ class PipeTrainerCache(io.ComfyNode):
         start = StartImage(start_image, clip_vision)
         vace = VaceControl(vace_control, vae)
         dataset = vace.dataset(dataset)  # on: an image-only control folder's plain names are VACE control images
-        sounds = [sum(map(is_audio, e.references)) for e in dataset.entries]  # reference audio, after the pictures
         names = [os.path.basename(e.path) for e in dataset.entries]
-        references = [(n, len(e.references) - a) for n, e, a in zip(names, dataset.entries, sounds, strict=True)]
-        style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, references,
-                                                         list(zip(names, sounds, strict=True)))
+        counts = {kind: [(n, sum(map(of, e.references))) for n, e in zip(names, dataset.entries, strict=True)]
+                  for kind, of in (("pictures", is_picture), ("audio", is_audio), ("videos", is_video))}
+        style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, counts["pictures"],
+                                                         counts["audio"], counts["videos"])
         s2v = S2VSound(audio_encoder)  # refuses an encoder that is not wav2vec2, naming the loader
         sound = ClipSound(audio_vae)  # refuses a VAE that is no audio VAE it knows (LTX-2, MiniMax-H3), naming the loaders
         flip = getattr(dataset, "flip", "none")
@@ -116,7 +117,8 @@ class PipeTrainerCache(io.ComfyNode):
                     or preflight.cache_problems(dataset, vae, clip, cache_root()))
         if problems:
             raise ValueError("\n".join(problems))
-        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style, vace, sound, s2v)
+        result = build_cache(dataset, vae, clip, cache_root(), progress, text_dtype, start, style, vace, sound, s2v,
+                             LoadVideoReader())
         report = result.report.text()
         if not result.items:
             raise ValueError(f"No item could be cached from {dataset.folder}:\n{report}")

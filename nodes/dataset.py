@@ -71,8 +71,8 @@ class PipeTrainerDataset(io.ComfyNode):
                              tooltip="Longest video clip in frames; clips use 1 or 4k+1 frames.", **advanced()),
                 io.String.Input("control_folder", default="", optional=True,
                                 tooltip="Edit models: references named like the training files (name.png, "
-                                        "name_1.png; H3 also name.wav). Wan VACE: name.mp4 (name.2.mp4...), "
-                                        "name_mask, name_ref.png. In ComfyUI's input folder.",
+                                        "name_1.png; H3: name.wav, name_video.mp4). Wan VACE: name.mp4 "
+                                        "(name.2.mp4...), name_mask, name_ref.png. In ComfyUI's input folder.",
                                 **advanced()),
                 io.Float.Input("caption_dropout", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Share of items trained on the empty caption, drawn per item and step "

@@ -138,7 +138,7 @@ def test_reference_audio_a_model_would_ignore_is_refused_before_step_0(comfy_roo
     shapes = _shapes({"clip.png": (16, 1, 8, 8)}, {"clip.png": {"reference_0": (16, 8, 8), "ref_audio_0": (32, 2, 5)}})
     problems = checks.extra_problems(shapes, inputs.extras, "QwenImage")
     assert len(problems) == 1 and "reference audio" in problems[0] and "'ref_audio_0'" in problems[0], problems
-    assert "remove the audio files" in problems[0]
+    assert "remove the audio files and videos" in problems[0]
 
 
 @pytest.mark.parametrize("row", ["WanVace", "WanS2V"])

@@ -156,7 +156,7 @@ def test_references_without_their_pictures_in_the_prompt_are_refused_at_step_0(c
     video, audio = (1, 24, 2, 4, 6), (1, 32, 2, 3)
     batch = Batch(torch.zeros(1, 1, 1152 + 192), torch.zeros(1), torch.zeros(1, 5, 24),
                   extras={"reference_0": torch.zeros(1, 24, 4, 4)}, latent_shapes=(video, audio))
-    with pytest.raises(ValueError, match=r"reference images but captions encoded without them.*reference_in_prompt"):
+    with pytest.raises(ValueError, match=r"reference images or videos but captions encoded without them.*reference_in_prompt"):
         ADAPTER.first_stage_inputs(batch)
     tags = torch.tensor([[0, 0, 1, 1, 1]])
     inputs = ADAPTER.first_stage_inputs(Batch(batch.noisy, batch.timestep, batch.cond,

@@ -118,6 +118,39 @@ def h3_reference_audio_kwargs(cond, pooled, options, extras):
     return kwargs
 
 
+REFERENCE_VIDEOS = ((24, 2, 2, 4, 3), (24, 3, 4, 2, 0))  # [C, T, h, w] and the sound track's frames (0: none)
+
+
+def _reference_video_extras(model, x0, g):
+    """Reference mode with videos (MiniMaxH3ReferenceToVideo with two ref_videos, the first with its ref_video_audio,
+    and one ref_audio): each video's latent at its own size and length, the sound latents and the token tags."""
+    out = {**_extras(model, x0, g), "minimax_token_tags": torch.tensor([TAGS], dtype=torch.int64)}
+    for k, (*shape, track) in enumerate(REFERENCE_VIDEOS):
+        out[f"ref_video_{k}"] = torch.randn(1, *shape, generator=g)
+        if track:
+            out[f"ref_video_audio_{k}"] = torch.randn(1, 32, 2, track, generator=g)
+    out["ref_audio_0"] = torch.randn(1, 32, 2, REFERENCE_AUDIO[0], generator=g)
+    return out
+
+
+def h3_reference_video_kwargs(cond, pooled, options, extras):
+    """What ``MiniMaxH3.extra_conds`` hands the model for ``minimax_refs`` of kinds ``video_audio``, ``video`` and
+    ``audio`` (the node's order): the videos' latents among ``cond_video_latents``, the first video's sound track and
+    then the audio among ``cond_audio_latents``."""
+    kwargs = h3_kwargs(cond, pooled, options, extras)
+    refs = []
+    for k, (_, t, h, w, track) in enumerate(REFERENCE_VIDEOS):
+        refs.append({"kind": "video_audio" if track else "video", "latent_t": t, "latent_h": h, "latent_w": w,
+                     "ref_audio_t": track, "latent": extras[f"ref_video_{k}"],
+                     "audio_latent": extras.get(f"ref_video_audio_{k}")})
+    refs.append({"kind": "audio", "ref_audio_t": REFERENCE_AUDIO[0], "audio_latent": extras["ref_audio_0"]})
+    kwargs["minimax_payload"].update(refs=refs, cond_video_latents=[r["latent"] for r in refs if "latent" in r],
+                                     cond_audio_latents=[r["audio_latent"] for r in refs
+                                                         if r.get("audio_latent") is not None],
+                                     text_token_tags=extras["minimax_token_tags"][0])
+    return kwargs
+
+
 ROWS = [
     Row("MiniMaxH3", "ComfyUI's MiniMaxH3 config class, 32 wide (the real model: 5376, 33 B), in memory",
         load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=5, comfy_kwargs=h3_kwargs,
@@ -131,4 +164,8 @@ ROWS = [
     Row("MiniMaxH3", "the same model in reference mode with sound: a reference image's and two reference audio files' "
         "condition rows", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
         comfy_kwargs=h3_reference_audio_kwargs, extras=_reference_audio_extras, id="MiniMaxH3 reference audio"),
+    Row("MiniMaxH3", "the same model in reference mode with videos: two reference videos' condition rows (one with its "
+        "sound track's) and a reference audio's", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT,
+        tokens=len(TAGS), comfy_kwargs=h3_reference_video_kwargs, extras=_reference_video_extras,
+        id="MiniMaxH3 reference video"),
 ]

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..data.captions import CaptionOptions
-from ..data.dataset import ImageEntry, is_audio
+from ..data.dataset import ImageEntry, is_picture, is_video
 from .buckets import Bucket
 from .keys import text_key
 
@@ -127,8 +127,9 @@ class LatentLayout:
 
 def latent_layout(entry: ImageEntry, flip: str, mask: str) -> LatentLayout:
     """The latent entry of ``entry`` under the Dataset node's flip and mask options."""
-    pictures = sum(not is_audio(r) for r in getattr(entry, "references", ()))  # reference audio is small: not counted
-    return LatentLayout(latents=2 if caches_flip(flip) else 1, references=pictures,
+    refs = getattr(entry, "references", ())
+    videos = sum(map(is_video, refs))  # about a clip's latent each; reference audio is small: not counted
+    return LatentLayout(latents=(2 if caches_flip(flip) else 1) + videos, references=sum(map(is_picture, refs)),
                         mask_channels=1 if caches_mask(mask) else 0,
                         **_control_layout(entry))
 

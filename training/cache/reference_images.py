@@ -13,11 +13,7 @@ apart (the micro-batch groups by the latent entry's shapes).
 The references' content digests are part of the latent key either way: a changed reference re-encodes exactly its
 item (target and references, one entry).
 
-Reference audio (audio files among an item's references, after its pictures; the Dataset node's control folder) is
-for a style whose node takes it (``PromptStyle.max_audio``: MiniMax-H3's ``ref_audios``): each file whole, at the
-audio VAE's rate, encoded with the Cache node's audio VAE as ``ref_audio_0``, ``ref_audio_1``... (clip_sound.py
-``encode_reference``); in the prompt it is a label only (:class:`AudioInPrompt`). Its reading joins the latent key
-(:meth:`ReferenceImages.key_part`) beside the audio VAE's identity, which the clip's own sound already puts there.
+Reference videos and audio among an item's references (MiniMax-H3's) are read by reference_media.py.
 """
 
 from __future__ import annotations
@@ -27,37 +23,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..data.dataset import is_audio
-from ..pipelines.base import reference_audio_extra, reference_extra
+from ..pipelines.base import reference_extra
 from .buckets import Bucket, crop_fraction
 from .keys import prompt_signature
 from .media import load_image
-from .reference_prompt import AudioInPrompt, PromptStyle, audio_fix, load_reference
-
-_AUDIO_READING = {"read": "whole file, the audio VAE's rate and channels", "v": 1}
-
-
-def audio_problem(entries: Sequence[object], style: PromptStyle | None, sound_active: bool) -> str | None:
-    """Why the items' reference audio cannot be cached as asked (None: there is none, or it can)."""
-    with_audio = [os.path.basename(e.path) for e in entries if any(is_audio(r) for r in e.references)]
-    if not with_audio:
-        return None
-    named = ", ".join(with_audio[:5]) + (f" and {len(with_audio) - 5} more" if len(with_audio) > 5 else "")
-    if style is None or not style.max_audio:
-        return f"{named} have reference audio in the control folder: {audio_fix()}"
-    if not sound_active:
-        return (f"{named} have reference audio, which is encoded with the model's audio VAE: connect it to the Cache "
-                "node's audio_vae input.")
-    return None
-
+from .reference_media import ReferenceMedia, is_media
+from .reference_prompt import AudioInPrompt, PromptStyle, VideoInPrompt, load_reference
 
 
 class ReferenceImages:
     """The references of one cache run, read for ``style`` (the Cache node's reference_in_prompt; None: off)."""
 
-    def __init__(self, style: PromptStyle | None):
+    def __init__(self, style: PromptStyle | None, fps: float = 24.0):
         self.style = style
         self.sized = style is not None and style.size is not None
+        self.media = ReferenceMedia(style, fps)  # the reference videos and audio among them
 
     def prep(self) -> dict[str, object]:
         """What joins a bucket's preprocessing: how the references are sized, when a style's node sizes them."""
@@ -74,7 +54,7 @@ class ReferenceImages:
             return []
         notes = []
         for path, probe in zip(paths, probes, strict=True):
-            if is_audio(path):
+            if is_media(path):
                 continue
             lost = crop_fraction(probe.width, probe.height, bucket)
             if lost > threshold:
@@ -88,26 +68,22 @@ class ReferenceImages:
         image = load_reference(path)
         return self.style.size(image, bucket.width, bucket.height) if self.sized else image
 
-    def prompt_items(self, paths: Sequence[str], bucket: Bucket) -> list[torch.Tensor | AudioInPrompt]:
+    def prompt_items(self, paths: Sequence[str], bucket: Bucket) -> list[torch.Tensor | VideoInPrompt | AudioInPrompt]:
         """What the style's node puts in the prompt for the references ``paths``: each picture's pixels
-        (:meth:`prompt_pixels`), each audio's label."""
-        return [AudioInPrompt() if is_audio(path) else self.prompt_pixels(path, bucket) for path in paths]
+        (:meth:`prompt_pixels`), each video's frames, each audio's label."""
+        return [self.media.prompt_item(p, bucket) if is_media(p) else self.prompt_pixels(p, bucket) for p in paths]
 
-    @staticmethod
-    def key_part(paths: Sequence[str]) -> dict[str, object]:
-        """What joins an item's latent key for its reference audio (how it is read; none without any)."""
-        return {"reference_audio": _AUDIO_READING} if any(is_audio(p) for p in paths) else {}
+    def key_part(self, paths: Sequence[str]) -> dict[str, object]:
+        """What joins an item's latent key for its reference videos and audio (how they are read; none without)."""
+        return self.media.key_part(paths)
 
     def encode(self, paths: Sequence[str], bucket: Bucket, encode_latent: Callable[[torch.Tensor], torch.Tensor],
                encode_audio: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Each reference picture's latent (one frame) and each reference audio's (``encode_audio``), an error
-        naming the reference that failed."""
+        """Each reference picture's latent (one frame), each reference video's and each sound's (``encode_audio``),
+        an error naming the reference that failed."""
         size = Bucket(bucket.width, bucket.height)
-        out = {}
-        sounds = [path for path in paths if is_audio(path)]
-        for j, path in enumerate(sounds):
-            out[reference_audio_extra(j)] = encode_audio(path)
-        for i, path in enumerate(p for p in paths if not is_audio(p)):
+        out = self.media.encode(paths, bucket, encode_latent, encode_audio)
+        for i, path in enumerate(p for p in paths if not is_media(p)):
             try:
                 pixels = self.prompt_pixels(path, size) if self.sized else load_image(path, size)
             except Exception as exc:  # noqa: BLE001 - named in the skip reason instead of the item's own file

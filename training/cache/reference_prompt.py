@@ -52,6 +52,9 @@ class PromptStyle:
     conditioning: Callable[[object, str, list[torch.Tensor]], list]
     size: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
     max_audio: int = 0  # reference audio files the node takes (their labels join the prompt, after the pictures)
+    max_videos: int = 0  # reference videos the node takes, after the pictures and before the audio
+    size_video: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # (frames, target frames): as the node
+    # sizes and cuts a reference video for a clip of that many frames; what it prompts with and encodes
 
     def identity(self) -> dict[str, object]:
         return {"style": self.name, "node": self.node, "v": self.version}
@@ -66,6 +69,15 @@ class PromptStyle:
 class AudioInPrompt:
     """A reference audio's place among the items a style's ``conditioning`` gets: its node labels it in the prompt
     (MiniMax-H3: ``<Audio j>: ``) and its text encoder hears none of it."""
+
+
+@dataclass(frozen=True, eq=False)
+class VideoInPrompt:
+    """A reference video among the items a style's ``conditioning`` gets: its frames as the node sized and cut them
+    (``PromptStyle.size_video``) and whether its sound track goes with it (the node labels the track first)."""
+
+    frames: torch.Tensor
+    with_sound: bool
 
 
 def _adapters() -> list:
@@ -91,24 +103,26 @@ def styles_for(clip) -> list[PromptStyle]:
             for style in getattr(adapter, "reference_prompts", ())]
 
 
-def choose(mode: str, clip, references: Sequence[tuple[str, int]],
-           audio: Sequence[tuple[str, int]] = ()) -> tuple[PromptStyle | None, list[str]]:
+def choose(mode: str, clip, references: Sequence[tuple[str, int]], audio: Sequence[tuple[str, int]] = (),
+           videos: Sequence[tuple[str, int]] = ()) -> tuple[PromptStyle | None, list[str]]:
     """The style the Cache encodes captions with (``None``: text only), or the problems, phrased as the fix.
 
-    ``references``: ``(file name, reference image count)`` of each dataset item, ``audio`` its reference audio
-    count. ``auto`` is the family's first style for an image-reading text encoder and a dataset with references,
-    otherwise off. Reference audio needs a style whose node takes it."""
+    ``references``: ``(file name, reference image count)`` of each dataset item, ``audio`` and ``videos`` its
+    reference audio and video counts. ``auto`` is the family's first style for an image-reading text encoder and a
+    dataset with references, otherwise off. Reference audio and videos need a style whose node takes them."""
     known = modes()
     if mode not in known:
         return None, [f"reference_in_prompt must be one of {', '.join(known)} (got {mode!r})."]
-    with_audio = [(name, n) for name, n in audio if n]
-    unheard = [_audio_problem(with_audio)] if with_audio else []
+    media = {"audio": ([(n, k) for n, k in audio if k], "max_audio"),
+             "videos": ([(n, k) for n, k in videos if k], "max_videos")}
+    with_media = media["audio"][0] + media["videos"][0]
+    unheard = [_media_problem(kind, items) for kind, (items, _) in media.items() if items]
     if mode == OFF:
         return None, unheard
     offered = styles_for(clip)
     with_refs = [(name, n) for name, n in references if n]
     if mode == AUTO:
-        if not offered or not (with_refs or with_audio):
+        if not offered or not (with_refs or with_media):
             return None, unheard
         style = offered[0]
     else:
@@ -118,7 +132,7 @@ def choose(mode: str, clip, references: Sequence[tuple[str, int]],
             return None, [f"reference_in_prompt {mode} encodes captions as ComfyUI's {node} does, which needs that "
                           f"node's text encoder; the connected CLIP ({type(clip.cond_stage_model).__name__}) takes no "
                           "images: connect the edit model's text encoder, or set reference_in_prompt to auto or off."]
-        if not (with_refs or with_audio):
+        if not (with_refs or with_media):
             return None, [f"reference_in_prompt {mode} puts each item's reference images into its prompt, but the "
                           "dataset has none: set the Dataset node's control_folder, or set reference_in_prompt to "
                           "auto or off."]
@@ -130,18 +144,20 @@ def choose(mode: str, clip, references: Sequence[tuple[str, int]],
         return None, [f"ComfyUI's {style.node} (reference_in_prompt {style.name}) takes at most {style.max_images} "
                       f"reference image(s), and these items have more: {shown}. Fix: {fix}remove their extra "
                       "references, or set reference_in_prompt to off."]
-    if with_audio and not style.max_audio:
-        return None, unheard
-    loud = [f"{name} ({n})" for name, n in with_audio if n > style.max_audio]
-    if loud:
-        return None, [f"ComfyUI's {style.node} takes at most {style.max_audio} reference audio file(s), and these "
-                      f"items have more: {', '.join(loud[:10])}. Remove their extra audio from the control folder."]
+    for kind, (items, limit) in media.items():
+        most = getattr(style, limit)
+        if items and not most:
+            return None, [_media_problem(kind, items)]
+        over = [f"{name} ({n})" for name, n in items if n > most]
+        if over:
+            return None, [f"ComfyUI's {style.node} takes at most {most} reference {kind}, and these items have more: "
+                          f"{', '.join(over[:10])}. Remove the extra ones from the control folder."]
     return style, []
 
 
-def _audio_problem(with_audio: Sequence[tuple[str, int]]) -> str:
-    named = ", ".join(name for name, _ in with_audio[:5]) + (" and more" if len(with_audio) > 5 else "")
-    return f"{named} have reference audio in the Dataset node's control folder: {audio_fix()}"
+def _media_problem(kind: str, items: Sequence[tuple[str, int]]) -> str:
+    named = ", ".join(name for name, _ in items[:5]) + (" and more" if len(items) > 5 else "")
+    return f"{named} have reference {kind} in the Dataset node's control folder: {media_fix(kind)}"
 
 
 def load_reference(path: str) -> torch.Tensor:
@@ -156,12 +172,12 @@ def load_reference(path: str) -> torch.Tensor:
         return torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0)[None]
 
 
-def audio_fix() -> str:
-    """What makes reference audio usable: the styles whose nodes take it."""
-    takers = [s for s in all_styles() if s.max_audio]
+def media_fix(kind: str) -> str:
+    """What makes reference ``kind`` ("audio" or "videos") usable: the styles whose nodes take it."""
+    takers = [s for s in all_styles() if (s.max_audio if kind == "audio" else s.max_videos)]
     if not takers:
-        return "no model here takes reference audio; remove the audio files from the control folder."
+        return f"no model here takes reference {kind}; remove those files from the control folder."
     nodes = " or ".join(dict.fromkeys(s.node for s in takers))
     names = " or ".join(s.name for s in takers)
-    return (f"only {nodes} takes reference audio: connect that model's text encoder to 'Cache Latents & Text' with "
-            f"reference_in_prompt auto or {names}, or remove the audio files from the control folder.")
+    return (f"only {nodes} takes reference {kind}: connect that model's text encoder to 'Cache Latents & Text' with "
+            f"reference_in_prompt auto or {names}, or remove those files from the control folder.")

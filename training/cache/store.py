@@ -52,7 +52,8 @@ from .masks import encode_variants, mask_size_problem
 from .media import load_image, load_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
-from .reference_images import ReferenceImages, audio_problem
+from .reference_images import ReferenceImages
+from .reference_media import PyAVVideoReader, VideoReader, media_problem
 from .reference_prompt import PromptStyle
 from .report import CacheReport
 from .s2v_sound import S2VSound
@@ -79,17 +80,18 @@ class CacheResult:
 def build_cache(dataset: DatasetSpec, vae, clip, cache_dir: str | Path, progress: Progress | None = None,
                 text_dtype: str = "fp32", start_image: StartImage | None = None,
                 reference_prompt: PromptStyle | None = None, vace: VaceControl | None = None,
-                sound: ClipSound | None = None, s2v: S2VSound | None = None) -> CacheResult:
+                sound: ClipSound | None = None, s2v: S2VSound | None = None,
+                read_video: VideoReader | None = None) -> CacheResult:
     """Cache ``dataset`` with ComfyUI's ``vae`` and ``clip``; see :func:`fill_cache`."""
     return fill_cache(dataset, ComfyEncoders(vae, clip), cache_dir, progress, text_dtype, start_image,
-                      reference_prompt, vace, sound, s2v)
+                      reference_prompt, vace, sound, s2v, read_video)
 
 
 def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
                progress: Progress | None = None, text_dtype: str = "fp32",
                start_image: StartImage | None = None, reference_prompt: PromptStyle | None = None,
                vace: VaceControl | None = None, sound: ClipSound | None = None,
-               s2v: S2VSound | None = None) -> CacheResult:
+               s2v: S2VSound | None = None, read_video: VideoReader | None = None) -> CacheResult:
     """Return one :class:`CacheItem` per file, resolution and repeat, encoding only what is missing.
 
     ``text_dtype`` (``keys.TEXT_STORE_DTYPES``): what text embeddings are stored as, the training dtype.
@@ -97,11 +99,13 @@ def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
     ``reference_prompt``: encode each caption of an item with references together with its reference
     images, in that style (reference_prompt.py; ``None``: captions alone). ``vace``: each item's VACE control
     conditioning (vace_control.py; off by default). ``sound``: each clip's audio latent (clip_sound.py; off by default).
-    ``s2v``: each clip's Wan S2V audio features and reference latent (s2v_sound.py; off by default)."""
+    ``s2v``: each clip's Wan S2V audio features and reference latent (s2v_sound.py; off by default).
+    ``read_video``: how reference videos are decoded (reference_media.py; the Cache node gives ComfyUI's Load Video)."""
     start = time.monotonic()
     filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image, reference_prompt)
     filler.vace, filler.sound = vace or VaceControl(), sound or ClipSound()
     filler.s2v = s2v or S2VSound()
+    filler.references.media.read_video = read_video or PyAVVideoReader()
     try:
         result = filler.run()
     finally:
@@ -125,7 +129,7 @@ class _Filler:
         self.root = root
         self.reference_prompt = reference_prompt
         self.prompt_sig = prompt_signature(reference_prompt.identity() if reference_prompt else None)
-        self.references = ReferenceImages(reference_prompt)
+        self.references = ReferenceImages(reference_prompt, dataset.bucket_settings.fps)
         self.start_image = start_image or StartImage()
         # HunyuanVideoI2V: the CLIP vision model goes into each caption's prompt, not the latent entry
         self.start_prompt, self.start_image = start_image_prompt_for(self.start_image, getattr(encoders, "clip", None))
@@ -226,7 +230,7 @@ class _Filler:
                              f"{self.start_prompt.style.node} does, and reference_in_prompt {self.reference_prompt.name} the "
                              f"reference images as {self.reference_prompt.node} does; no node does both: set the Cache's "
                              "start_image off, or reference_in_prompt off, or clear the Dataset's control_folder.")
-        unheard = audio_problem(self.dataset.entries, self.reference_prompt, self.sound.active)
+        unheard = media_problem(self.dataset.entries, self.reference_prompt, self.sound.active)
         if unheard:
             raise ValueError(unheard)
         plan = plan_buckets(s)

@@ -11,8 +11,10 @@ image ``cat_1`` when there is one. A training image without references, a gap in
 files for one reference and control files that pair with no training image are errors naming the files:
 silently training an edit model on half its pairs is the costly mistake. Audio files in the control folder
 are reference audio, numbered the same way on their own (``name.wav`` is reference audio 0, ``name_1.flac``
-reference audio 1: MiniMax-H3's ``ref_audios``, ``<Audio 1>`` and on in the prompt), after the item's pictures in
-``ImageEntry.references``; an item with reference audio needs no picture. A dataset with videos pairs its
+reference audio 1: MiniMax-H3's ``ref_audios``, ``<Audio 1>`` and on in the prompt), and videos named
+``name_video.mp4``, ``name_video_1.mp4`` are reference videos (its ``ref_videos``, ``<Video 1>`` and on, each with
+its own sound track as its ``ref_video_audio``); ``ImageEntry.references`` holds the pictures, then the videos, then
+the audio (the node's order), and an item with videos or audio needs no picture. A dataset with other videos pairs its
 control folder as Wan VACE control clips instead (``name.mp4`` and an optional ``name_mask.*``, in
 ``ImageEntry.controls``; dataset_controls.py), with the same one-pass report of every problem.
 The bucket settings (aspect ratios, resolutions, video frames and fps) travel with the dataset so the
@@ -35,6 +37,7 @@ from .media_check import audio_problems, media_problems
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".m4a")  # reference audio (MiniMax-H3's ref_audios)
+VIDEO_MARKER = "_video"  # name_video.mp4, name_video_1.mp4: reference videos of name.* (MiniMax-H3's ref_videos)
 CAPTION_POLICIES = ("error", "skip", "empty")
 # Sound, for families that train on it: "off" (today's families: nothing is checked), "optional" (clips
 # without an audio track are named and train with the family's no-audio input), "required" (they are refused).
@@ -44,6 +47,16 @@ AUDIO_POLICIES = ("off", "optional", "required")
 def is_audio(path: str) -> bool:
     """Whether ``path`` is an audio file (a reference audio among an item's references)."""
     return path.lower().endswith(AUDIO_EXTENSIONS)
+
+
+def is_video(path: str) -> bool:
+    """Whether ``path`` is a video file (a reference video among an item's references)."""
+    return path.lower().endswith(VIDEO_EXTENSIONS)
+
+
+def is_picture(path: str) -> bool:
+    """Whether a reference is a picture (neither audio nor video)."""
+    return not (is_audio(path) or is_video(path))
 
 
 class DatasetError(ValueError):
@@ -154,10 +167,12 @@ class DatasetSpec:
             lines.append(f"VACE control clips in {self.control_folder}: {'one' if per == '1' else per} per clip, "
                          f"{masks} with a mask" + (f", {refs} with a reference image" if refs else ""))
         elif self.control_folder:
-            sounds = sum(is_audio(r) for e in self.entries for r in e.references)
+            refs = [r for e in self.entries for r in e.references]
+            sounds, clips = sum(map(is_audio, refs)), sum(map(is_video, refs))
             counts = sorted({len(e.references) for e in self.entries})
             per = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-            lines.append(f"{sum(len(e.references) for e in self.entries) - sounds} reference images "
+            lines.append(f"{len(refs) - sounds - clips} reference images "
+                         + (f"and {clips} reference videos " if clips else "")
                          + (f"and {sounds} reference audio files " if sounds else "")
                          + f"in {self.control_folder} ({per} per item)")
         if self.captions.report():
@@ -192,11 +207,23 @@ def _stem(name: str) -> str:
     return os.path.splitext(name)[0]
 
 
+def reference_claim(name: str, stems: dict[str, str], marker: str = "") -> tuple[str, int] | None:
+    """``(training file, reference index)`` a control-folder file ``name`` claims: ``<stem><marker>`` is reference 0
+    of the training file of that stem, ``<stem><marker>_<n>`` reference ``n``; None: it claims none."""
+    stem = _stem(name)
+    numbered = _NUMBERED.match(stem)
+    for base, index in ((stem, 0), *([(numbered.group(1), int(numbered.group(2)))] if numbered else [])):
+        owner = base[:len(base) - len(marker)]
+        if base.endswith(marker) and owner in stems:
+            return stems[owner], index
+    return None
+
+
 def pair_references(images: list[str], control_files: list[str], control_folder: str | Path,
                     required: list[str] | None = None, extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-                    optional: bool = False) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+                    optional: bool = False, marker: str = "") -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """Pair the control folder's files of ``extensions`` (reference images by default) with the training files
-    ``images`` by stem.
+    ``images`` by stem (followed by ``marker``, see :func:`reference_claim`).
 
     Returns ``(training file name -> reference paths in reference order, problems)``; every problem
     names the files concerned. Each file of ``required`` (default: all) needs reference 0 (unless
@@ -208,15 +235,11 @@ def pair_references(images: list[str], control_files: list[str], control_folder:
     found: dict[str, dict[int, list[str]]] = {}
     unpaired = []
     for name in sorted(n for n in control_files if n.lower().endswith(extensions)):  # captions, notes: ignored
-        stem = _stem(name)
-        numbered = _NUMBERED.match(stem)
-        if stem in stems:
-            target, index = stems[stem], 0
-        elif numbered and numbered.group(1) in stems:
-            target, index = stems[numbered.group(1)], int(numbered.group(2))
-        else:
+        claimed = reference_claim(name, stems, marker)
+        if claimed is None:
             unpaired.append(name)
             continue
+        target, index = claimed
         found.setdefault(target, {}).setdefault(index, []).append(name)
     problems = []
     duplicates = [" and ".join(names) for refs in found.values() for names in refs.values() if len(names) > 1]
@@ -373,16 +396,22 @@ def _with_references(folder: Path, images: list[str], entries: list[ImageEntry],
                            "folder of their own.")
     with os.scandir(control) as listing:
         files = sorted(e.name for e in listing if e.is_file())
-    if is_control_dataset(images, files, VIDEO_EXTENSIONS):  # VACE control clips, not reference images
+    stems = {_stem(n): n for n in images}
+    videos = [n for n in files if n.lower().endswith(VIDEO_EXTENSIONS) and reference_claim(n, stems, VIDEO_MARKER)]
+    if is_control_dataset(images, [n for n in files if n not in videos], VIDEO_EXTENSIONS):  # VACE control clips
         return with_controls(images, entries, files, control, buckets or BucketSettings((0,)))
     kept = [os.path.basename(e.path) for e in entries]
-    sounds, problems = pair_references(images, files, control, required=kept, extensions=AUDIO_EXTENSIONS,
-                                       optional=True)
-    refs, picture_problems = pair_references(images, files, control, required=[n for n in kept if n not in sounds])
-    problems = picture_problems + problems
+    clips, problems = pair_references(images, videos, control, required=kept, extensions=VIDEO_EXTENSIONS,
+                                      optional=True, marker=VIDEO_MARKER)
+    sounds, audio_problems = pair_references(images, files, control, required=kept, extensions=AUDIO_EXTENSIONS,
+                                             optional=True)
+    refs, picture_problems = pair_references(images, files, control,
+                                             required=[n for n in kept if n not in sounds and n not in clips])
+    problems = picture_problems + problems + audio_problems
     if problems:
         raise DatasetError("\n".join(problems))
-    return [ImageEntry(e.path, e.caption, refs.get(n, ()) + sounds.get(n, ())) for e, n in zip(entries, kept, strict=True)]
+    return [ImageEntry(e.path, e.caption, refs.get(n, ()) + clips.get(n, ()) + sounds.get(n, ()))
+            for e, n in zip(entries, kept, strict=True)]
 
 
 def with_controls(images: list[str], entries: list[ImageEntry], files: list[str], control: Path,

@@ -16,8 +16,9 @@ training/cache/vace_control.py reads it. ``ImageEntry.controls`` holds the paths
 (control, then its mask), then the reference; :func:`control_set` reads the roles back from the names.
 
 Which pairing a control folder gets is read from the files, so the Dataset node needs no new setting and
-edit datasets pair as they always did: a control folder with a video or a file with a VACE-only name (a mask,
-a reference, a stream 2...) is a VACE one; any other image-only one pairs reference images
+edit datasets pair as they always did: a control folder with a video (other than MiniMax-H3's reference videos,
+``name_video.mp4``, which dataset.py sets apart first) or a file with a VACE-only name (a mask, a reference, a
+stream 2...) is a VACE one; any other image-only one pairs reference images
 (dataset.pair_references), also for clips (MiniMax-H3's reference pictures). Such a folder of plain ``name.png`` controls is
 read as VACE control images by the Cache node when its ``vace_control`` is on
 (vace_control.VaceControl.dataset): image items train as 1-frame clips.

@@ -135,12 +135,23 @@ def reference_extra(index: int) -> str:
 
 
 REFERENCE_AUDIO_PREFIX = "ref_audio_"
+REFERENCE_MEDIA_PREFIXES = (REFERENCE_AUDIO_PREFIX, "ref_video_")  # reference audio, videos and their tracks
 
 
 def reference_audio_extra(index: int) -> str:
     """The extra name of an item's ``index``-th reference audio (0-based, the Dataset node's order): the cache stores
     the audio VAE's latent of the whole file under this name in the item's latent entry."""
     return f"{REFERENCE_AUDIO_PREFIX}{index}"
+
+
+def reference_video_extra(index: int) -> str:
+    """The extra name of an item's ``index``-th reference video (0-based): its video latent ``[C, T, h, w]``."""
+    return f"ref_video_{index}"
+
+
+def reference_video_audio_extra(index: int) -> str:
+    """The extra name of the sound track of reference video ``index``: the audio VAE's latent of the whole track."""
+    return f"ref_video_audio_{index}"
 
 
 @dataclass(frozen=True)

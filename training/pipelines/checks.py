@@ -21,7 +21,7 @@ from ..cache.start_image import CLIP_FEA, START_IMAGE_EXTRAS
 from ..objective.loss import prediction_type
 from ..spec.options import TimestepSpec
 from .base import (
-    REFERENCE_AUDIO_PREFIX,
+    REFERENCE_MEDIA_PREFIXES,
     REFERENCE_PREFIX,
     ExtraSpec,
     Geometry,
@@ -216,7 +216,7 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
         for name in shapes.extras.get(latent_entry, {}):
             if name.startswith(REFERENCE_PREFIX) and name not in specs:
                 unused.setdefault(name, []).append(source)
-            elif name.startswith(REFERENCE_AUDIO_PREFIX) and name not in specs:
+            elif name.startswith(REFERENCE_MEDIA_PREFIXES) and name not in specs:
                 unheard.setdefault(name, []).append(source)
             elif name in START_IMAGE_EXTRAS and name not in specs:
                 unused_start.setdefault(name, []).append(source)
@@ -252,8 +252,8 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
                    "model, and cache again.")
     if unheard:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unheard.items()))
-        out.append(f"The cache holds reference audio the {family} model would ignore ({held}): remove the audio files "
-                   "from the control folder (or load the model they are for) and cache again.")
+        out.append(f"The cache holds reference audio or videos the {family} model would ignore ({held}): remove the "
+                   "audio files and videos from the control folder (or load the model they are for) and cache again.")
     if unused_start:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unused_start.items()))
         takes = sorted(n for n in specs if n in START_IMAGE_EXTRAS)

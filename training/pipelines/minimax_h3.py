@@ -51,8 +51,10 @@ shifting the targets' rotary timeline by one, as ``PackedLayout`` packs ``minima
 pictures are in the prompt too. Standalone reference audio (``ref_audios``: the control folder's audio files) adds
 ``ref_audio`` rows after the pictures' rows: each file's audio latent through ``_cond_audio_rows``, projected with the
 target audio, at ``max(t_a, AUDIO_COND_TIMESTEP)``, each one shifting the targets' timeline by its length; the prompt
-labels it ``<Audio j>``. Reference videos and ``MiniMaxH3AddGuide`` guides are not fed yet; a LoRA trained in any mode
-is sampled by every mode. Blocks update the residual stream in place
+labels it ``<Audio j>``. Reference videos (``ref_videos``) add ``ref_img`` rows of their latent frames, each after its
+sound track's ``ref_audio`` rows (``ref_video_audios``), between the pictures' rows and the audio's, as
+``PackedLayout`` packs kinds ``video`` and ``video_audio`` (training/pipelines/minimax_h3_conditions.py lists every
+condition extra). ``MiniMaxH3AddGuide`` guides are not fed yet; a LoRA trained in any mode is sampled by every mode. Blocks update the residual stream in place
 (``addcmul_`` on segment views), so each runs on a private copy under :mod:`.out_of_place`. Only current ComfyUI has
 ``MiniMaxH3``.
 """
@@ -67,22 +69,12 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS, START_IMAGE_PROMPT
+from ..cache.start_image_prompt import IMAGE_TOKEN_TAGS
 from ..data.joint_latent import pack_streams, unpack_streams
-from .base import (
-    Batch,
-    ExtraSpec,
-    Geometry,
-    StageLayer,
-    reference_audio_extra,
-    reference_extra,
-    refuse_unsupported,
-    register,
-)
+from .base import Batch, ExtraSpec, Geometry, StageLayer, refuse_unsupported, register
+from .minimax_h3_conditions import condition_extras, condition_problem, five_d
 from .minimax_h3_layout import (
-    KEYFRAMES,
     TEXT_TAG,
-    VIDEO_TAG,
     Conditions,
     ExampleStructure,
     Sizes,
@@ -91,7 +83,7 @@ from .minimax_h3_layout import (
     packed_layout,
     padded_spatial,
 )
-from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, REFERENCES_STYLE, reads_images
+from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, reads_images
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
@@ -107,8 +99,6 @@ _TARGETS = {
 TEXT_TOKENS = 256  # a stated caption length for the plan (the Qwen3-VL states' token count varies per caption)
 COND_SEED = 0  # the condition noise augmentation's seed: ``MiniMaxH3.extra_conds``' default (see ``_cond_rows``)
 _T_ROWS = 4  # distinct timesteps at most: video, audio, video condition rows, audio condition rows
-MAX_REFERENCES = 9  # MiniMaxH3ReferenceToVideo's ref_images
-MAX_REFERENCE_AUDIO = 3  # and its ref_audios
 
 
 @dataclass(frozen=True)
@@ -257,7 +247,7 @@ class MiniMaxH3Embed(StageLayer):
         b = packed.shape[0]
         v_shape, a_shape, conditions, _ = Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
-        videos = len(latents) - conditions.references.sounds  # video condition latents first, then the audio ones
+        videos = len(latents) - conditions.references.sound_latents  # video condition latents first, then the audio
         rows = []
         for i in range(b):
             n = int(tokens[i, 0])
@@ -343,33 +333,6 @@ class MiniMaxH3Final(StageLayer):
         return pack_streams([torch.cat(videos), torch.cat(audios)])[0]
 
 
-def _five_d(latent: torch.Tensor) -> torch.Tensor:
-    """A condition latent as ``_cond_video_rows`` patchifies it: ``[B, C, T, H, W]`` (a cached reference image is
-    ``[B, C, H, W]``, one frame)."""
-    return latent.unsqueeze(2) if latent.ndim == 4 else latent
-
-
-def _condition_problem(conditions: Conditions, extras: Mapping[str, torch.Tensor], tags: torch.Tensor,
-                       tokens: torch.Tensor) -> str | None:
-    """Condition latents whose captions were not encoded as the node that makes those latents encodes them."""
-    keyframes, references = bool(conditions.keyframes.which), bool(conditions.references.pictures)
-    if keyframes and conditions.references.blocks:
-        return ("This MiniMax-H3 cache has first/last keyframes and reference images together, which no one ComfyUI "
-                "node makes (MiniMaxH3ImageToVideo or MiniMaxH3ReferenceToVideo): set the Cache node's start_image "
-                "off or clear the Dataset node's control_folder, and cache again.")
-    if keyframes and START_IMAGE_PROMPT not in extras:
-        return ("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in the prompt, "
-                "which MiniMaxH3ImageToVideo always puts there: cache again with start_image first_last_frames and "
-                "MiniMax-H3's text encoder on 'Cache Latents & Text'.")
-    if references and not all(bool((row[:int(n)] == VIDEO_TAG).any())  # each caption has its pictures' tokens
-                              for row, n in zip(tags, tokens.view(-1), strict=True)):
-        return ("This MiniMax-H3 cache has reference images but captions encoded without them in the prompt, which "
-                "MiniMaxH3ReferenceToVideo always puts there: connect MiniMax-H3's text encoder (Load CLIP type "
-                f"minimax) to 'Cache Latents & Text', set its reference_in_prompt to auto or {REFERENCES_STYLE}, and "
-                "cache again.")
-    return None
-
-
 class MiniMaxH3Adapter:
     """MiniMax-H3 text-to-video-and-audio (and first/last-frame) on the joint latent ComfyUI samples."""
 
@@ -423,22 +386,7 @@ class MiniMaxH3Adapter:
                                        description="the clip's stereo audio VAE latent, packed with the video latent"),
                IMAGE_TOKEN_TAGS: ExtraSpec(shape=("T",), source="text", required=False, follows_text=True,
                                      description="the text encoder's modality tag of each token (0: an image's)")}
-        for name, frame in zip(KEYFRAMES, ("first", "last"), strict=True):
-            out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False,
-                                  description=f"the clip's {frame} frame encoded alone (MiniMaxH3ImageToVideo's "
-                                              f"{frame}_frame), a keyframe condition")
-        out[START_IMAGE_PROMPT] = ExtraSpec(shape=(1,), source="text", required=False,
-                                            description="the image tokens of the frames in the caption's prompt")
-        for i in range(MAX_REFERENCES):
-            out[reference_extra(i)] = ExtraSpec(
-                shape=("C", "*", "*"), required=False,
-                description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i}, "
-                            f"<Picture {i + 1}> in the prompt), a condition")
-        for i in range(MAX_REFERENCE_AUDIO):
-            out[reference_audio_extra(i)] = ExtraSpec(
-                shape=(int(dm.audio_latents_dim), 2, "*"), required=False,
-                description=f"reference audio {i + 1}, the whole file (MiniMaxH3ReferenceToVideo's ref_audio_{i}, "
-                            f"<Audio {i + 1}> in the prompt), a condition")
+        out.update(condition_extras(dm))
         return out
 
     def image_tokens(self, diffusion_model: nn.Module, latent_shape: tuple[int, ...]) -> int:
@@ -459,10 +407,10 @@ class MiniMaxH3Adapter:
         if tags is None:  # a caption encoded alone: every token is text
             tags = torch.full((b, batch.cond.shape[1]), TEXT_TAG, dtype=torch.int64)
         conditions = Conditions.of(batch.extras)
-        problem = _condition_problem(conditions, batch.extras, tags, tokens)
+        problem = condition_problem(conditions, batch.extras, tags, tokens)
         if problem:
             raise ValueError(problem)
-        latents = [_five_d(batch.extras[name]) for name in conditions.names(batch.extras)]
+        latents = [five_d(batch.extras[name]) for name in conditions.names(batch.extras)]
         latents += [batch.extras[name] for name in conditions.audio_names(batch.extras)]
         return (batch.noisy, batch.timestep, batch.cond, tokens.view(-1, 1), Sizes.make(v_shape, a_shape, conditions),
                 tags.to(torch.int64), *latents)

@@ -86,36 +86,51 @@ class Keyframes:
         return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
 
 
-REF_IMAGE, REF_AUDIO = 0, 1  # a reference block's kind: ComfyUI's minimax_refs kinds "image" and "audio"
+REF_IMAGE, REF_AUDIO, REF_VIDEO = 0, 1, 2  # a reference block's kind: ComfyUI's minimax_refs kinds
 
 
 @dataclass(frozen=True)
 class References:
     """The references of ``MiniMaxH3ReferenceToVideo`` in its order: ``ref_images`` (each one image at its own size,
-    encoded alone), then standalone ``ref_audios`` (each a whole file's audio latent). A block is ``(kind, latent
-    height, latent width, audio latent frames)``: ``(REF_IMAGE, h, w, 0)`` or ``(REF_AUDIO, 0, 0, Ta)``."""
+    encoded alone), ``ref_videos`` (each with its sound track's latent when it has one), then standalone
+    ``ref_audios`` (each a whole file's audio latent). A block is ``(kind, latent frames, latent height, latent width,
+    audio latent frames)``: ``(REF_IMAGE, 1, h, w, 0)``, ``(REF_VIDEO, T, h, w, Ta or 0)`` or ``(REF_AUDIO, 0, 0, 0,
+    Ta)``."""
 
-    blocks: tuple[tuple[int, int, int, int], ...] = ()
-    WIDTH = 4  # numbers a block takes in :class:`Sizes`
+    blocks: tuple[tuple[int, int, int, int, int], ...] = ()
+    WIDTH = 5  # numbers a block takes in :class:`Sizes`
 
     @staticmethod
     def of(extras: Mapping[str, torch.Tensor]) -> References:
-        pictures = tuple((REF_IMAGE, *(int(s) for s in extras[name].shape[-2:]), 0) for name in reference_names(extras))
-        sounds = tuple((REF_AUDIO, 0, 0, int(extras[name].shape[-1])) for name in reference_audio_names(extras))
-        return References(pictures + sounds)
+        from .base import reference_video_audio_extra
+
+        pictures = tuple((REF_IMAGE, 1, *(int(s) for s in extras[n].shape[-2:]), 0) for n in reference_names(extras))
+        videos = tuple((REF_VIDEO, *(int(s) for s in extras[n].shape[-3:]),
+                        int(extras[track].shape[-1]) if (track := reference_video_audio_extra(k)) in extras else 0)
+                       for k, n in enumerate(reference_video_names(extras)))
+        sounds = tuple((REF_AUDIO, 0, 0, 0, int(extras[n].shape[-1])) for n in reference_audio_names(extras))
+        return References(pictures + videos + sounds)
+
+    def count(self, kind: int) -> int:
+        return sum(block[0] == kind for block in self.blocks)
 
     @property
-    def pictures(self) -> int:
-        return sum(kind == REF_IMAGE for kind, *_ in self.blocks)
-
-    @property
-    def sounds(self) -> int:
-        return sum(kind == REF_AUDIO for kind, *_ in self.blocks)
+    def sound_latents(self) -> int:
+        """Audio latents among them: the videos' sound tracks and the reference audio."""
+        return sum(block[0] != REF_IMAGE and block[4] > 0 for block in self.blocks)
 
     def comfy_blocks(self) -> list[dict]:
         """ComfyUI's ``minimax_refs`` entries for :class:`PackedLayout` (it reads the kind and the sizes)."""
-        return [{"kind": "image", "latent_h": h, "latent_w": w} if kind == REF_IMAGE
-                else {"kind": "audio", "ref_audio_t": rt} for kind, h, w, rt in self.blocks]
+        out = []
+        for kind, t, h, w, rt in self.blocks:
+            if kind == REF_IMAGE:
+                out.append({"kind": "image", "latent_h": h, "latent_w": w})
+            elif kind == REF_VIDEO:
+                out.append({"kind": "video_audio" if rt else "video", "latent_t": t, "latent_h": h, "latent_w": w,
+                            "ref_audio_t": rt})
+            else:
+                out.append({"kind": "audio", "ref_audio_t": rt})
+        return out
 
 
 def _numbered(extras: Mapping[str, torch.Tensor], name_of) -> list[str]:
@@ -130,6 +145,13 @@ def reference_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
     from .base import reference_extra
 
     return _numbered(extras, reference_extra)
+
+
+def reference_video_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
+    """The reference video extras present, ``ref_video_0`` onwards without a gap."""
+    from .base import reference_video_extra
+
+    return _numbered(extras, reference_video_extra)
 
 
 def reference_audio_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
@@ -152,12 +174,16 @@ class Conditions:
 
     def names(self, extras: Mapping[str, torch.Tensor]) -> list[str]:
         """The extras whose latents become video condition rows, in the order ``_cond_video_rows`` takes them."""
-        return self.keyframes.names() + reference_names(extras)
+        return self.keyframes.names() + reference_names(extras) + reference_video_names(extras)
 
     @staticmethod
     def audio_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
-        """The extras whose latents become audio condition rows, in the order ``_cond_audio_rows`` takes them."""
-        return reference_audio_names(extras)
+        """The extras whose latents become audio condition rows, in the order ``_cond_audio_rows`` takes them: the
+        reference videos' sound tracks, then the reference audio."""
+        from .base import reference_video_audio_extra
+
+        tracks = [reference_video_audio_extra(k) for k in range(len(reference_video_names(extras)))]
+        return [name for name in tracks if name in extras] + reference_audio_names(extras)
 
 
 class Meta:

@@ -15,8 +15,10 @@ resizes it there (lanczos, no crop), and both tokenizes the prompt with the resi
 (``minimax_ref_items``: ``<Picture i>: `` and its vision block each, then the caption) and VAE-encodes them, each
 alone, as the ``minimax_refs`` the model reads as condition rows. The cache does the same against the item's bucket
 (training/cache/reference_prompt.py ``PromptStyle.size``). Its standalone reference audio (``ref_audios``, at most
-three: the Dataset's audio files in the control folder) is a ``<Audio j>: `` label in the prompt, after the pictures,
-and the audio VAE's latent of the whole file. Its reference videos have no dataset form here yet.
+three: the Dataset's audio files in the control folder) is a ``<Audio j>: `` label in the prompt, after the pictures
+and videos, and the audio VAE's latent of the whole file. Its reference videos (``ref_videos``, at most three:
+``name_video.mp4``... in the control folder) are sized and cut as the node does (:func:`size_video`), shown to
+Qwen3-VL at 2 fps with their timestamps (each sound track's ``<Audio j>`` label first) and VAE-encoded whole.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 
 import torch
 
-from ..cache.reference_prompt import AudioInPrompt, PromptStyle
+from ..cache.reference_prompt import AudioInPrompt, PromptStyle, VideoInPrompt
 from ..cache.start_image import FIRST_LAST_FRAMES, keyframe_images
 from ..cache.start_image_prompt import StartImagePromptStyle
 
@@ -67,14 +69,48 @@ def match_size(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return comfy.utils.common_upscale(pixels, tw, th, "lanczos", "disabled").movedim(1, -1)
 
 
-def _references(clip, caption: str, items: list[torch.Tensor | AudioInPrompt]) -> list:
+def size_video(frames: torch.Tensor, target_frames: int) -> torch.Tensor:
+    """A reference video ``[F, H, W, 3]`` as ``MiniMaxH3ReferenceToVideo`` sizes and cuts it for a clip of
+    ``target_frames`` frames: to the 768-short-edge canvas (``adapt_canvas``; a smaller video only rounded to 32),
+    lanczos without a crop, then cut to the clip's aligned frame count and down to 17k + 5 frames."""
+    import comfy.utils
+    from comfy_extras.nodes_minimax_h3 import adapt_canvas, align_frame_count
+
+    vh, vw = frames.shape[1], frames.shape[2]
+    cw, ch = adapt_canvas(vw, vh)
+    if vw * vh < cw * ch:
+        cw, ch = (max(_CANVAS, round(s / _CANVAS) * _CANVAS) for s in (vw, vh))
+    n = min(frames.shape[0], align_frame_count(max(5, target_frames)))
+    if n < 5:
+        raise ValueError(f"it has {frames.shape[0]} frames; MiniMax-H3 reference videos need at least 5 (~0.2 s at 24 "
+                         "fps).")
+    while n % 17 != 5:
+        n -= 1
+    pixels = frames[:n, ..., :3].movedim(-1, 1)
+    return comfy.utils.common_upscale(pixels, cw, ch, "lanczos", "disabled").movedim(1, -1)
+
+
+def _ref_items(item: torch.Tensor | VideoInPrompt | AudioInPrompt) -> list[dict]:
+    """The node's ``minimax_ref_items`` of one reference: a picture; a video seen at 2 fps with its timestamps, its
+    sound track's label first; an audio label."""
+    if isinstance(item, AudioInPrompt):
+        return [{"type": "audio"}]
+    if not isinstance(item, VideoInPrompt):
+        return [{"type": "image", "data": item}]
+    from comfy_extras.nodes_minimax_h3 import FPS
+
+    shown = list(range(0, item.frames.shape[0], FPS // 2))
+    video = {"type": "video", "data": item.frames[shown], "timestamps": [i / 2.0 for i in range(len(shown))]}
+    return [{"type": "audio"}, video] if item.with_sound else [video]
+
+
+def _references(clip, caption: str, items: list[torch.Tensor | VideoInPrompt | AudioInPrompt]) -> list:
     """``MiniMaxH3ReferenceToVideo``'s conditioning before it adds the references' latents (``items``: the pictures
-    sized, then the audio labels, the node's order)."""
-    ref_items = [{"type": "audio"} if isinstance(item, AudioInPrompt) else {"type": "image", "data": item}
-                 for item in items]
-    tokens = clip.tokenize(caption, minimax_ref_items=ref_items)
+    sized, the videos sized and cut, the audio labels: the node's order)."""
+    tokens = clip.tokenize(caption, minimax_ref_items=[entry for item in items for entry in _ref_items(item)])
     return clip.encode_from_tokens_scheduled(tokens)
 
 
 MINIMAX_H3_REFERENCES = PromptStyle(REFERENCES_STYLE, "MiniMaxH3ReferenceToVideo", max_images=9, version=1,
-                                    conditioning=_references, size=match_size, max_audio=3)
+                                    conditioning=_references, size=match_size, max_audio=3, max_videos=3,
+                                    size_video=size_video)

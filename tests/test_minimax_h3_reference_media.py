@@ -1,12 +1,15 @@
-"""MiniMax-H3's reference audio from a Dataset control folder (``name.wav``, ``name_1.flac``... beside the reference
-pictures) and the Cache node's audio VAE, with ``reference_in_prompt`` ``auto``.
+"""MiniMax-H3's reference videos and audio from a Dataset control folder (``name_video.mov``, ``name.wav``,
+``name_1.flac``... beside the reference pictures) and the Cache node's audio VAE, with ``reference_in_prompt``
+``auto``.
 
-The oracle is ComfyUI's own ``MiniMaxH3ReferenceToVideo`` with the item's pictures as ``ref_images`` and its audio
-files, read by ComfyUI's ``LoadAudio`` loader, as ``ref_audios``: the cached cond and token tags must be its
-conditioning (``<Audio j>: `` after the pictures in the prompt) and each cached ``ref_audio_j`` the ``audio_latent``
-of its ``minimax_refs`` block (the whole file, through ``VAE.encode``, whose input crop keeps the centred whole
-latent frames). The staged forward with such extras against ``apply_model`` is the family row's generic check
-(tests/family_rows/minimax_h3.py, ``MiniMaxH3 reference audio``).
+The oracle is ComfyUI's own ``MiniMaxH3ReferenceToVideo`` with the item's pictures as ``ref_images``, its videos as
+ComfyUI's Load Video gives them (``VideoFromFile``: the frames as ``ref_videos``, the sound track as
+``ref_video_audios``) and its audio files, read by ComfyUI's ``LoadAudio`` loader, as ``ref_audios``, generating the
+item's clip: the cached cond and token tags must be its conditioning (each video's frames at 2 fps with timestamps,
+its track's ``<Audio j>`` label first, the audio labels last) and each cached ``ref_video_k``, ``ref_video_audio_k``
+and ``ref_audio_j`` the latent of its ``minimax_refs`` block (each sound whole, through ``VAE.encode``, whose input
+crop keeps the centred whole latent frames). The staged forward with such extras against ``apply_model`` is the
+family rows' generic check (tests/family_rows/minimax_h3.py, ``MiniMaxH3 reference audio`` and ``... video``).
 
 Tiny models in ComfyUI's own classes, seeded: MiniMax-H3's text encoder, the narrow Wan 2.1 VAE standing in for
 H3's video VAE, and ComfyUI's ``MiniMaxH3AudioVAE`` at a tiny width inside the ``comfy.sd.VAE`` object 'Load VAE'
@@ -23,25 +26,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pipetrainer.nodes.load_video import LoadVideoReader
 from pipetrainer.tests.family_rows.common import require_model_class
+from pipetrainer.tests.test_audio_data import write_clip
 from pipetrainer.tests.test_i2v_cache import _by_source
 from pipetrainer.tests.test_minimax_h3_references import write_clips_and_pictures
 from pipetrainer.training.cache.buckets import BucketSettings
 from pipetrainer.training.cache.start_image_prompt import IMAGE_TOKEN_TAGS
 
-CAPTIONS = {"a.mp4": "<Picture 1> sings <Audio 1> then <Audio 2>", "b.mp4": "a room with <Audio 1>"}
+CAPTIONS = {"a.mp4": "<Picture 1> sings <Video 1> with <Audio 1>, then <Audio 2> and <Audio 3>",
+            "b.mp4": "a room as in <Video 1> with <Audio 1>"}
 PICTURES = {"a.png": (80, 48)}
 SOUNDS = {"a.wav": (0.30, 330.0), "a_1.flac": (0.13, 550.0), "b.wav": (0.21, 440.0)}  # seconds, hz: 9600/4160/6720
 SETTINGS = BucketSettings(resolutions=(64,), min_ratio=0.5, max_ratio=2.0, count=3, max_frames=9, fps=24.0)
 RATE = 32000
 
 
+def _tone(seconds: float, hz: float = 330.0) -> np.ndarray:
+    t = np.arange(int(round(seconds * RATE))) / RATE
+    return np.stack([0.5 * np.sin(2 * np.pi * hz * t), 0.3 * np.sin(2 * np.pi * 2 * hz * t)]).astype(np.float32)
+
+
 def _write_sound(path: Path, seconds: float, hz: float) -> None:
     import av
 
-    n = int(round(seconds * RATE))
-    t = np.arange(n) / RATE
-    signal = np.stack([0.5 * np.sin(2 * np.pi * hz * t), 0.3 * np.sin(2 * np.pi * 2 * hz * t)]).astype(np.float32)
+    signal = _tone(seconds, hz)
+    n = signal.shape[1]
     codec = "flac" if path.suffix == ".flac" else "pcm_s16le"
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=RATE)
@@ -91,6 +101,8 @@ def h3_sound_refs(comfy_root, tmp_path_factory):
     data, control = write_clips_and_pictures(root, CAPTIONS, PICTURES)
     for name, (seconds, hz) in SOUNDS.items():
         _write_sound(control / name, seconds, hz)
+    write_clip(control / "a_video.mov", seconds=2.0, signal=_tone(0.45), sr=RATE)  # 48 frames, a 32 kHz track
+    write_clip(control / "b_video.mp4", seconds=0.5, audio=None, shade=90)  # 12 frames, no track
     out = {"data": data, "control": control, "vae": tiny_wan21_vae(), "clip": tiny_minimax_h3_clip(),
            "audio_vae": h3_audio_vae_object(), "root": root}
     out["result"] = _cache(out, root / "cache")
@@ -101,62 +113,123 @@ def _cache(h3: dict, cache: Path):
     from pipetrainer.training.cache import reference_prompt
     from pipetrainer.training.cache.clip_sound import ClipSound
     from pipetrainer.training.cache.store import build_cache
-    from pipetrainer.training.data.dataset import is_audio, scan_dataset
+    from pipetrainer.training.data.dataset import is_audio, is_picture, is_video, scan_dataset
 
     dataset = scan_dataset(h3["data"], 64, buckets=SETTINGS, control_folder=h3["control"])
-    sounds = [(Path(e.path).name, sum(map(is_audio, e.references))) for e in dataset.entries]
-    pictures = [(name, len(e.references) - n) for (name, n), e in zip(sounds, dataset.entries, strict=True)]
-    style, problems = reference_prompt.choose("auto", h3["clip"], pictures, sounds)
-    assert problems == [] and style.max_audio == 3
-    return build_cache(dataset, h3["vae"], h3["clip"], cache, reference_prompt=style, sound=ClipSound(h3["audio_vae"]))
+    counts = [[(Path(e.path).name, sum(map(of, e.references))) for e in dataset.entries]
+              for of in (is_picture, is_audio, is_video)]
+    style, problems = reference_prompt.choose("auto", h3["clip"], *counts)
+    assert problems == [] and style.max_audio == 3 and style.max_videos == 3
+    return build_cache(dataset, h3["vae"], h3["clip"], cache, reference_prompt=style, sound=ClipSound(h3["audio_vae"]),
+                       read_video=LoadVideoReader())  # what the Cache node gives
 
 
-def _node(h3: dict, caption: str, pictures: list[str], sounds: list[str], width: int, height: int) -> dict:
-    """``MiniMaxH3ReferenceToVideo``'s positive conditioning, its audio read by ComfyUI's ``LoadAudio`` loader."""
+def _node(h3: dict, caption: str, refs: tuple[list[str], list[str], list[str]], width: int, height: int,
+          length: int) -> dict:
+    """``MiniMaxH3ReferenceToVideo``'s positive conditioning for ``(pictures, videos, audio files)``, its videos read
+    by ComfyUI's Load Video (``VideoFromFile``), its audio by ``LoadAudio``'s loader."""
+    from comfy_api.latest import InputImpl
     from comfy_extras.nodes_audio import load
     from comfy_extras.nodes_minimax_h3 import MiniMaxH3ReferenceToVideo
     from pipetrainer.training.cache.reference_prompt import load_reference
 
+    pictures, videos, sounds = refs
     images = {f"ref_image_{i}": load_reference(str(h3["control"] / name)) for i, name in enumerate(pictures)}
+    clips, tracks = {}, {}
+    for k, name in enumerate(videos):
+        components = InputImpl.VideoFromFile(str(h3["control"] / name)).get_components()
+        clips[f"ref_video_{k}"] = components.images
+        if components.audio is not None:
+            tracks[f"ref_video_audio_{k}"] = components.audio
     audios = {}
     for i, name in enumerate(sounds):
         waveform, rate = load(str(h3["control"] / name))
         audios[f"ref_audio_{i}"] = {"waveform": waveform[None], "sample_rate": rate}
-    result = MiniMaxH3ReferenceToVideo.execute(h3["clip"], h3["vae"], h3["audio_vae"], caption, width, height, 5,
-                                               ref_image_size="match", ref_images=images, ref_audios=audios)
+    result = MiniMaxH3ReferenceToVideo.execute(h3["clip"], h3["vae"], h3["audio_vae"], caption, width, height, length,
+                                               ref_image_size="match", ref_images=images, ref_videos=clips,
+                                               ref_video_audios=tracks, ref_audios=audios)
     positive = result.args[0] if hasattr(result, "args") else result[0]
     return {"cond": positive[0][0], **positive[0][1]}
 
 
-def test_the_dataset_pairs_audio_files_as_reference_audio_after_the_pictures(h3_sound_refs):
+def test_the_dataset_pairs_videos_and_audio_files_as_references_after_the_pictures(h3_sound_refs):
     from pipetrainer.training.data.dataset import scan_dataset
 
     dataset = scan_dataset(h3_sound_refs["data"], 64, buckets=SETTINGS, control_folder=h3_sound_refs["control"])
     refs = {Path(e.path).name: [Path(r).name for r in e.references] for e in dataset.entries}
-    assert refs == {"a.mp4": ["a.png", "a.wav", "a_1.flac"], "b.mp4": ["b.wav"]}  # b needs no picture
-    assert "1 reference images and 3 reference audio files" in dataset.report()
+    assert refs == {"a.mp4": ["a.png", "a_video.mov", "a.wav", "a_1.flac"], "b.mp4": ["b_video.mp4", "b.wav"]}
+    assert "1 reference images and 2 reference videos and 3 reference audio files" in dataset.report()
 
 
-def test_cached_text_and_reference_audio_equal_comfyuis_minimax_h3_reference_to_video(h3_sound_refs):
+def test_cached_text_and_reference_media_equal_comfyuis_minimax_h3_reference_to_video(h3_sound_refs):
     cached = _by_source(h3_sound_refs["result"])
-    refs_of = {"a.mp4": (["a.png"], ["a.wav", "a_1.flac"]), "b.mp4": ([], ["b.wav"])}
-    lengths = set()
+    refs_of = {"a.mp4": (["a.png"], ["a_video.mov"], ["a.wav", "a_1.flac"]), "b.mp4": ([], ["b_video.mp4"], ["b.wav"])}
+    lengths, kinds = set(), []
     for name, caption in CAPTIONS.items():
         item, example = cached[name]
         bucket_h, bucket_w = (8 * s for s in example.latent.shape[-2:])  # the Wan VAE's 8x
-        theirs = _node(h3_sound_refs, caption, *refs_of[name], bucket_w, bucket_h)
+        frames = 4 * (example.latent.shape[-3] - 1) + 1  # its 4k+1 frames
+        theirs = _node(h3_sound_refs, caption, refs_of[name], bucket_w, bucket_h, frames)
         cond = theirs["cond"][0].float()
-        assert example.cond.shape == cond.shape, name  # the <Audio j> labels are in the prompt
+        assert example.cond.shape == cond.shape, name  # the videos' frames and the <Audio j> labels are in the prompt
         assert torch.allclose(example.cond.float(), cond, rtol=0, atol=1e-6 * cond.abs().max().item()), name
         assert torch.equal(example.extras[IMAGE_TOKEN_TAGS], theirs["minimax_token_tags"]), name
-        blocks = [b for b in theirs["minimax_refs"] if b["kind"] == "audio"]
-        assert len(blocks) == len(refs_of[name][1]) and f"ref_audio_{len(blocks)}" not in example.extras, name
-        for j, block in enumerate(blocks):
-            got, node = example.extras[f"ref_audio_{j}"], block["audio_latent"][0].float()
-            assert got.shape == node.shape and got.shape[-1] == block["ref_audio_t"], (name, j)
-            assert torch.allclose(got, node, rtol=0, atol=1e-5 * node.abs().max().item()), (name, j)
-            lengths.add(got.shape[-1])
+        blocks = theirs["minimax_refs"]
+        kinds.append([b["kind"] for b in blocks])
+        videos = [b for b in blocks if b["kind"].startswith("video")]
+        sounds = [b for b in blocks if b["kind"] == "audio"]
+        ours = [(f"ref_video_{k}", b["latent"][0]) for k, b in enumerate(videos)]
+        ours += [(f"ref_video_audio_{k}", b["audio_latent"][0]) for k, b in enumerate(videos) if b["ref_audio_t"]]
+        ours += [(f"ref_audio_{j}", b["audio_latent"][0]) for j, b in enumerate(sounds)]
+        held = sorted(k for k in example.extras if k.startswith(("ref_video", "ref_audio")))
+        assert held == sorted(k for k, _ in ours), name
+        for key, node in ours:
+            got, node = example.extras[key], node.float()
+            assert got.shape == node.shape, (name, key, got.shape, node.shape)
+            assert torch.allclose(got, node, rtol=0, atol=1e-5 * node.abs().max().item()), (name, key)
+        lengths |= {b["ref_audio_t"] for b in sounds}
+        assert all(b["latent_t"] == example.extras[f"ref_video_{k}"].shape[1] for k, b in enumerate(videos))
+    assert kinds == [["image", "video_audio", "audio", "audio"], ["video", "audio"]]
     assert lengths == {12, 5, 8}  # each file whole: 9600, 4160 and 6720 samples, cropped to whole 800-sample frames
+
+
+def test_reference_videos_are_sized_and_cut_as_the_node_does(comfy_root):
+    """Against the node module's own rules: the 768-short-edge canvas for a large video, its own size rounded to 32
+    for a small one, the clip's aligned frame count, then 17k + 5 frames; under 5 frames is refused."""
+    require_model_class("MiniMaxH3", "in ComfyUI v0.33")
+    from comfy_extras.nodes_minimax_h3 import adapt_canvas, align_frame_count
+    from pipetrainer.training.pipelines.minimax_h3_prompt import size_video
+
+    large = torch.rand(48, 200, 360, 3)
+    assert adapt_canvas(360, 200)[0] * adapt_canvas(360, 200)[1] > 360 * 200
+    assert size_video(large, 9).shape == (22, 192, 352, 3)  # 360x200 rounded to 32; 22 = align_frame_count(9)
+    huge = torch.rand(6, 900, 1600, 3)
+    cw, ch = adapt_canvas(1600, 900)
+    assert size_video(huge, 9).shape == (5, ch, cw, 3) and (cw, ch) != (1600, 896)  # the canvas, 6 -> 5 frames
+    assert align_frame_count(40) == 56 and size_video(large, 40).shape[0] == 39  # all 48 frames, then 17k + 5
+    with pytest.raises(ValueError, match="at least 5"):
+        size_video(large[:4], 9)
+
+
+def test_reference_video_frames_are_load_videos_at_the_datasets_rate(h3_sound_refs):
+    """PyAV's RGB decode (used outside ComfyUI) gives Load Video's frames within 8-bit rounding; a file at another
+    rate is taken every 1/24 s: a 30 fps second gives 24 frames, each the one on screen then."""
+    from pipetrainer.training.cache.reference_media import PyAVVideoReader, video_frames
+
+    path = str(h3_sound_refs["control"] / "a_video.mov")
+    theirs, ours = LoadVideoReader()(path), PyAVVideoReader()(path)
+    assert theirs[1] == ours[1] == 24.0 and theirs[0].shape == ours[0].shape == (48, 64, 64, 3)
+    assert (theirs[0] - ours[0]).abs().max() < 3 / 255
+    assert torch.equal(video_frames(path, 24.0, LoadVideoReader()), theirs[0])
+
+    class Thirty:
+        identity = "test"
+
+        def __call__(self, path):
+            return torch.arange(30.0).view(30, 1, 1, 1).expand(30, 2, 2, 3), 30.0
+
+    shown = video_frames("thirty.mp4", 24.0, Thirty())[:, 0, 0, 0].tolist()
+    assert len(shown) == 24 and shown[:6] == [0, 1, 2, 3, 5, 6] and shown[-1] == 28  # frame 28 is on screen at 23/24 s
 
 
 def test_a_changed_audio_file_re_encodes_its_own_item_only(h3_sound_refs, tmp_path):
