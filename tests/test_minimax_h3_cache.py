@@ -167,3 +167,31 @@ def test_a_micro_batch_of_captions_of_two_lengths_trains_each_as_sampled_alone(c
                                            kwargs["c_crossattn"], minimax_payload=kwargs["minimax_payload"])
         for ours, ref in zip((s[i:i + 1] for s in streams), theirs, strict=True):
             assert torch.allclose(ours, ref, rtol=0, atol=1e-6 * ref.abs().max().item()), (i, (ours - ref).abs().max())
+
+
+def test_condition_latents_reach_the_model_in_float32_under_a_bf16_compute_dtype(comfy_root):
+    """``MiniMaxH3.extra_conds`` keeps the keyframe and reference latents float32 (its payload skips
+    ``_apply_model``'s cast), so a bf16 run must not round them before ``_cond_video_rows`` patchifies them; the
+    noisy latent and the text take the compute dtype as ever."""
+    from pipetrainer.tests.family_rows.minimax_h3 import LATENT, TEXT_DIM, h3_small
+    from pipetrainer.tests.helpers import BatchCapture
+    from pipetrainer.training.data.micro_batches import Example, MicroBatches
+    from pipetrainer.training.pipelines.base import adapter_for
+    from pipetrainer.training.spec.options import TimestepSpec
+
+    model = h3_small().model
+    model.manual_cast_dtype = torch.bfloat16
+    adapter = adapter_for("MiniMaxH3")
+    capture = BatchCapture(adapter)
+    g = torch.Generator().manual_seed(5)
+    extras = {"audio_latent": torch.randn(32, 2, 3, generator=g), "reference_0": torch.randn(24, 4, 4, generator=g),
+              "ref_audio_0": torch.randn(32, 2, 2, generator=g),
+              "minimax_token_tags": torch.tensor([0, 0, 1, 1], dtype=torch.int64)}
+    example = Example(torch.randn(*LATENT, generator=g), torch.randn(4, TEXT_DIM, generator=g), None, extras=extras,
+                      latent_extra_shapes=(("reference_0", (24, 4, 4)),))
+    MicroBatches([example], 1, 3, model, capture, TimestepSpec(), torch.device("cpu"),
+                 family_options=adapter.options_type()).build(0)
+    batch = capture.batches[-1]
+    assert batch.noisy.dtype == batch.cond.dtype == torch.bfloat16
+    for name in ("reference_0", "ref_audio_0"):
+        assert batch.extras[name].dtype == torch.float32 and torch.equal(batch.extras[name][0], extras[name]), name

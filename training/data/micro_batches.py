@@ -386,7 +386,8 @@ class MicroBatches:
         return self.model.process_latent_in(self.stacked_latents(latents))
 
     def _stacked_extras(self, batch: Sequence[Example], text_length: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The family's extras of the micro-batch, stacked (float ones in the compute dtype); a text-aligned
+        """The family's extras of the micro-batch, stacked (float ones in the compute dtype, or float32 where the spec
+        says ComfyUI keeps them so); a text-aligned
         extra (a text attention mask) is brought to the text length like the conds."""
         specs = self.adapter.extras(self.model.diffusion_model)
         out = {}
@@ -412,7 +413,9 @@ class MicroBatches:
                     stacked = stack_padded(values)  # ids, ByT5, HiDream's Llama layers): zeros after, any axis
                 else:
                     stacked = torch.stack(values)
-            out[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
+            if stacked.is_floating_point():
+                stacked = stacked.to(torch.float32 if spec.keeps_float32 else dtype)
+            out[name] = stacked
         return out
 
     def iterate(self, first_micro: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:

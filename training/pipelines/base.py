@@ -114,6 +114,9 @@ class ExtraSpec:
     it is packed after the training latent in ComfyUI's layout (``comfy.utils.pack_latents``, what the
     sampler noises), so it gets the same sigma and its own noise, and the loss covers it
     (training/data/joint_latent.py); the first stage receives the packed latent and ``Batch.latent_shapes``.
+    A float extra reaches the first stage in the compute dtype unless it ``keeps_float32``: one ComfyUI hands the
+    model in float32 whatever its dtype (MiniMax-H3's condition latents ride in a payload ``_apply_model``
+    leaves uncast).
     """
 
     shape: tuple[int | str, ...]
@@ -123,6 +126,7 @@ class ExtraSpec:
     description: str = ""
     is_latent: bool = False
     joins_latent: bool = False
+    keeps_float32: bool = False
 
 
 REFERENCE_PREFIX = "reference_"

@@ -19,30 +19,31 @@ MAX_REFERENCE_AUDIO = MAX_REFERENCE_VIDEOS = 3  # and its ref_audios, ref_videos
 
 
 def condition_extras(dm) -> dict[str, ExtraSpec]:
-    """The optional extras of the keyframes and the references, for the model ``dm``."""
+    """The optional extras of the keyframes and the references, for the model ``dm``: its latents stay float32, as
+    ``MiniMaxH3.extra_conds`` keeps them (its payload skips ``_apply_model``'s dtype cast)."""
     out = {}
     for name, frame in zip(KEYFRAMES, ("first", "last"), strict=True):
-        out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False,
+        out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False, keeps_float32=True,
                               description=f"the clip's {frame} frame encoded alone (MiniMaxH3ImageToVideo's "
                                           f"{frame}_frame), a keyframe condition")
     out[START_IMAGE_PROMPT] = ExtraSpec(shape=(1,), source="text", required=False,
                                         description="the image tokens of the frames in the caption's prompt")
     for i in range(MAX_REFERENCES):
         out[reference_extra(i)] = ExtraSpec(
-            shape=("C", "*", "*"), required=False,
+            shape=("C", "*", "*"), required=False, keeps_float32=True,
             description=f"reference image {i + 1} at its own size (MiniMaxH3ReferenceToVideo's ref_image_{i}, "
                         f"<Picture {i + 1}> in the prompt), a condition")
     for i in range(MAX_REFERENCE_VIDEOS):
         out[reference_video_extra(i)] = ExtraSpec(
-            shape=("C", "*", "*", "*"), required=False,
+            shape=("C", "*", "*", "*"), required=False, keeps_float32=True,
             description=f"reference video {i + 1} sized and cut as MiniMaxH3ReferenceToVideo does (its ref_video_"
                         f"{i}, <Video {i + 1}> in the prompt), a condition")
         out[reference_video_audio_extra(i)] = ExtraSpec(
-            shape=(int(dm.audio_latents_dim), 2, "*"), required=False,
+            shape=(int(dm.audio_latents_dim), 2, "*"), required=False, keeps_float32=True,
             description=f"reference video {i + 1}'s sound track, whole (ref_video_audio_{i}), a condition")
     for i in range(MAX_REFERENCE_AUDIO):
         out[reference_audio_extra(i)] = ExtraSpec(
-            shape=(int(dm.audio_latents_dim), 2, "*"), required=False,
+            shape=(int(dm.audio_latents_dim), 2, "*"), required=False, keeps_float32=True,
             description=f"reference audio {i + 1}, the whole file (MiniMaxH3ReferenceToVideo's ref_audio_{i}, "
                         f"<Audio {i + 1}> in the prompt), a condition")
     return out
