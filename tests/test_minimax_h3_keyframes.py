@@ -1,4 +1,5 @@
-"""MiniMax-H3's first/last-frame mode from the Cache node's ``start_image = first_last_frames``.
+"""MiniMax-H3's first/last-frame mode from the Cache node's ``start_image = first_last_frames``, and its
+image-to-video mode (``first_keyframe``: the first frame alone).
 
 The oracle is ComfyUI's own ``MiniMaxH3ImageToVideo`` with ``first_frame`` and ``last_frame`` connected, given the
 item's first and last kept frames at its bucket: the cached cond and token tags must be its conditioning (both frames
@@ -80,13 +81,13 @@ def test_the_trainer_anchors_the_last_frame_where_the_node_does(comfy_root, leng
     assert [a["resolved_frame_index"] for a in Keyframes(which=2, frames=1).anchors(latent_t)] == [frames - 1]
 
 
-def _node(clip, vae, caption: str, pixels: torch.Tensor) -> dict:
-    """``MiniMaxH3ImageToVideo``'s positive conditioning for the clip's first and last frames at its size."""
+def _node(clip, vae, caption: str, pixels: torch.Tensor, last: bool = True) -> dict:
+    """``MiniMaxH3ImageToVideo``'s positive conditioning for the clip's first (and last) frames at its size."""
     from comfy_extras.nodes_minimax_h3 import MiniMaxH3ImageToVideo
 
     height, width = pixels.shape[1:3]
     result = MiniMaxH3ImageToVideo.execute(clip, vae, caption, width, height, pixels.shape[0],
-                                           first_frame=pixels[:1], last_frame=pixels[-1:])
+                                           first_frame=pixels[:1], last_frame=pixels[-1:] if last else None)
     positive = result.args[0] if hasattr(result, "args") else result[0]
     return {"cond": positive[0][0], **positive[0][1]}
 
@@ -118,6 +119,24 @@ def test_cached_text_tags_and_keyframes_equal_comfyuis_minimax_h3_image_to_video
             assert got.shape == node.shape and got.shape[1] == 1 and got.shape[2:] == example.latent.shape[2:], name
             assert torch.allclose(got, node.float(), rtol=0, atol=1e-5 * node.abs().max().item()), (name, mine)
         assert not torch.allclose(example.extras[KEYFRAME_FIRST], example.extras[KEYFRAME_LAST]), name
+
+
+def test_first_keyframe_is_comfyuis_image_to_video_with_the_first_frame_alone(h3_frames, tmp_path):
+    """``start_image = first_keyframe``: the node with ``first_frame`` only, its cond, tags and one keyframe."""
+    cached = _by_source(h3_frames["run"](tmp_path / "cache", start=StartImage("first_keyframe")))
+    for name, caption in CAPTIONS.items():
+        _, example = cached[name]
+        theirs = _node(h3_frames["clip"], h3_frames["vae"], caption,
+                       _frames(h3_frames["data"], name, example.latent.shape[1]), last=False)
+        assert KEYFRAME_LAST not in example.extras and KEYFRAME_FIRST in example.extras, name
+        cond = theirs["cond"][0].float()
+        assert example.cond.shape == cond.shape, name  # one picture in the prompt, not two
+        assert torch.allclose(example.cond.float(), cond, rtol=0, atol=1e-6 * cond.abs().max().item()), name
+        assert torch.equal(example.extras[IMAGE_TOKEN_TAGS], theirs["minimax_token_tags"]), name
+        (first,) = theirs["minimax_keyframes"]
+        assert first["resolved_frame_index"] == 0
+        node = first["latent"][0].float()
+        assert torch.allclose(example.extras[KEYFRAME_FIRST], node, rtol=0, atol=1e-5 * node.abs().max().item()), name
 
 
 def test_a_changed_clip_re_encodes_its_own_entries_only(h3_frames, tmp_path):

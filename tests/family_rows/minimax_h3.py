@@ -72,6 +72,22 @@ def h3_keyframe_kwargs(cond, pooled, options, extras):
     return kwargs
 
 
+def _first_keyframe_extras(model, x0, g):
+    """Image-to-video mode (MiniMaxH3ImageToVideo with first_frame only): the first frame's latent and the tags."""
+    extras = _keyframe_extras(model, x0, g)
+    del extras["keyframe_last"]
+    return extras
+
+
+def h3_first_keyframe_kwargs(cond, pooled, options, extras):
+    """``minimax_keyframes`` with the first frame alone, at pixel frame 0."""
+    kwargs = h3_kwargs(cond, pooled, options, extras)
+    keyframes = [{"resolved_frame_index": 0, "latent": extras["keyframe_first"]}]
+    kwargs["minimax_payload"].update(keyframes=keyframes, cond_video_latents=[keyframes[0]["latent"]],
+                                     text_token_tags=extras["minimax_token_tags"][0])
+    return kwargs
+
+
 REFERENCES = ((24, 4, 4), (24, 2, 6))  # two reference images, each at its own latent size [C, h, w]
 
 
@@ -158,6 +174,9 @@ ROWS = [
     Row("MiniMaxH3", "the same model in first/last-frame mode: keyframe condition rows and an image's vision tokens in "
         "the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
         comfy_kwargs=h3_keyframe_kwargs, extras=_keyframe_extras, id="MiniMaxH3 keyframes"),
+    Row("MiniMaxH3", "the same model in image-to-video mode: the first frame's keyframe condition rows alone",
+        load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
+        comfy_kwargs=h3_first_keyframe_kwargs, extras=_first_keyframe_extras, id="MiniMaxH3 first keyframe"),
     Row("MiniMaxH3", "the same model in reference mode: two reference images' condition rows, each at its own size, "
         "and their vision tokens in the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT,
         tokens=len(TAGS), comfy_kwargs=h3_reference_kwargs, extras=_reference_extras, id="MiniMaxH3 references"),

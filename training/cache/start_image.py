@@ -26,7 +26,8 @@ MiniMax-H3's first/last-frame mode (``start_image = first_last_frames``) conditi
 ``MiniMaxH3ImageToVideo`` with both ``first_frame`` and ``last_frame`` connected: each of the two frames encoded
 alone (``keyframe_first``, ``keyframe_last``; the model re-injects them as clean condition rows every step), and
 both frames in the prompt of every caption (start_image_prompt.py). The frames are the item's first and last kept
-frames at its bucket (``keyframe_images``).
+frames at its bucket (``keyframe_images``). Its image-to-video mode (``start_image = first_keyframe``: the node with
+``first_frame`` only) is the same with the first frame alone.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ import torch
 
 from .encoders import _unpatched_weights, weights_fingerprint
 
-START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone", "first_last_frames")
+START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone", "first_last_frames", "first_keyframe")
 NO_START_IMAGE = "none"
 FIRST_FRAME_ALONE = "first_frame_alone"  # HunyuanVideo 1.5 and 1.0 I2V (HunyuanVideo15ImageToVideo, ...)
 FIRST_LAST_FRAMES = "first_last_frames"  # MiniMax-H3 first/last-frame (MiniMaxH3ImageToVideo with both frames)
+FIRST_KEYFRAME = "first_keyframe"  # MiniMax-H3 image-to-video (MiniMaxH3ImageToVideo with first_frame only)
 CONCAT_LATENT = "concat_latent"  # the extra names the Wan family reads (training/pipelines/wan.py)
 CLIP_FEA = "clip_fea"
 CONCAT_LATENT_ALONE = "concat_latent_alone"  # the HunyuanVideo 1.5 family's (training/pipelines/hunyuan_video15.py)
 CLIP_VISION_LAST = "clip_vision_last"
 KEYFRAME_FIRST = "keyframe_first"  # the extra names the MiniMax-H3 family reads (training/pipelines/minimax_h3.py)
 KEYFRAME_LAST = "keyframe_last"
+KEYFRAME_MODES = {FIRST_LAST_FRAMES: (KEYFRAME_FIRST, KEYFRAME_LAST), FIRST_KEYFRAME: (KEYFRAME_FIRST,)}  # encoded alone
 START_IMAGE_EXTRAS = (CONCAT_LATENT, CLIP_FEA, CONCAT_LATENT_ALONE, CLIP_VISION_LAST, KEYFRAME_FIRST, KEYFRAME_LAST)
 GRAY = 0.5  # WanImageToVideo's value for the frames after the start image
 CLIP_CROP = "none"  # CLIP Vision Encode's crop in ComfyUI's Wan image-to-video template: squash, no crop
@@ -121,8 +124,8 @@ class StartImage:
             return ["A CLIP vision model is connected to 'Cache Latents & Text' but start_image is none, so it would "
                     "not be used: set start_image to first_frame (Wan image-to-video training) or first_frame_alone "
                     "(HunyuanVideo 1.5 and HunyuanVideo I2V), or disconnect it."]
-        if self.clip_vision is not None and self.mode == FIRST_LAST_FRAMES:
-            return ["start_image first_last_frames (MiniMax-H3) takes no CLIP vision model: its text encoder reads the "
+        if self.clip_vision is not None and self.mode in KEYFRAME_MODES:
+            return [f"start_image {self.mode} (MiniMax-H3) takes no CLIP vision model: its text encoder reads the "
                     "frames itself. Disconnect clip_vision from 'Cache Latents & Text'."]
         return []
 
@@ -130,8 +133,8 @@ class StartImage:
         """The named parts of the start-image conditioning for the latent key; None without one (old keys)."""
         if not self.active:
             return None
-        if self._identity is None and self.mode == FIRST_LAST_FRAMES:
-            self._identity = {"mode": self.mode, "keyframes": [KEYFRAME_FIRST, KEYFRAME_LAST], "encoded": "alone"}
+        if self._identity is None and self.mode in KEYFRAME_MODES:
+            self._identity = {"mode": self.mode, "keyframes": list(KEYFRAME_MODES[self.mode]), "encoded": "alone"}
         if self._identity is None and self.mode == FIRST_FRAME_ALONE:
             clip = None
             if self.clip_vision is not None:
@@ -152,9 +155,9 @@ class StartImage:
             return {}
         first = pixels[:1, ..., :3]
         frames = int(pixels.shape[0])
-        if self.mode == FIRST_LAST_FRAMES:  # each frame encoded alone, as MiniMaxH3ImageToVideo encodes it
-            head, tail = keyframe_images(pixels)
-            return {KEYFRAME_FIRST: encode_latent(head), KEYFRAME_LAST: encode_latent(tail)}
+        if self.mode in KEYFRAME_MODES:  # each frame encoded alone, as MiniMaxH3ImageToVideo encodes it
+            frames = dict(zip((KEYFRAME_FIRST, KEYFRAME_LAST), keyframe_images(pixels), strict=True))
+            return {name: encode_latent(frames[name]) for name in KEYFRAME_MODES[self.mode]}
         if self.mode == FIRST_FRAME_ALONE:
             # An image (1 frame) is its own start image: its latent is the start image's, encoded alone.
             alone = latent.clone() if frames == 1 else start_latent_alone(encode_latent(first), latent)

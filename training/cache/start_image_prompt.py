@@ -6,7 +6,7 @@ start image: ComfyUI's ``TextEncodeHunyuanVideo_ImageToVideo`` puts the llava CL
 model reads them in front of the caption's tokens. A LoRA trained on captions encoded alone would learn under
 other conditioning than it samples with. So with the Cache node's ``start_image = first_frame_alone``, a CLIP vision
 model on its ``clip_vision`` input and a text encoder some family declares a *start-image prompt style* for
-(``start_image_prompt`` on the adapter, e.g. training/pipelines/hunyuan_video_prompt.py), every caption of an item
+(``start_image_prompts`` on the adapter, e.g. training/pipelines/hunyuan_video_prompt.py), every caption of an item
 is encoded with that item's start image (its first kept frame, at its bucket size: the frame its start-image
 latent is made of) by the ComfyUI node the user samples with. The CLIP vision model then conditions the prompt,
 so the latent entry gets no CLIP-vision features of its own (start_image.py).
@@ -73,8 +73,7 @@ class StartImagePromptStyle:
 def _styles() -> list[StartImagePromptStyle]:
     from ..pipelines.base import adapter_for, known_families
 
-    return [style for family in known_families()
-            if (style := getattr(adapter_for(family), "start_image_prompt", None)) is not None]
+    return [style for family in known_families() for style in getattr(adapter_for(family), "start_image_prompts", ())]
 
 
 class StartImagePrompt:

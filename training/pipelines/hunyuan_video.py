@@ -257,7 +257,7 @@ class HunyuanFinal(StageLayer):
 class HunyuanVideoAdapter:
     name = "HunyuanVideo"
     options_type = HunyuanVideoOptions
-    start_image_prompt = HUNYUAN_VIDEO_I2V_PROMPT  # HunyuanVideoI2V's captions (training/cache/start_image_prompt.py)
+    start_image_prompts = (HUNYUAN_VIDEO_I2V_PROMPT,)  # HunyuanVideoI2V's captions (training/cache/start_image_prompt.py)
 
     def support_problems(self, diffusion_model: nn.Module) -> list[str]:
         problem = _support_problem(diffusion_model)

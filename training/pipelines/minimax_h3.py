@@ -83,7 +83,12 @@ from .minimax_h3_layout import (
     packed_layout,
     padded_spatial,
 )
-from .minimax_h3_prompt import MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_REFERENCES, reads_images
+from .minimax_h3_prompt import (
+    MINIMAX_H3_FIRST_FRAME_PROMPT,
+    MINIMAX_H3_FRAMES_PROMPT,
+    MINIMAX_H3_REFERENCES,
+    reads_images,
+)
 from .out_of_place import OutOfPlaceResidualAdds
 
 FAMILY = "MiniMaxH3"
@@ -339,7 +344,8 @@ class MiniMaxH3Adapter:
     name = FAMILY
     options_type = MiniMaxH3Options
     text_extras = {IMAGE_TOKEN_TAGS: False}  # ComfyUI's encoder output, one tag per token (no batch axis)
-    start_image_prompt = MINIMAX_H3_FRAMES_PROMPT  # first/last-frame captions (training/cache/start_image_prompt.py)
+    start_image_prompts = (MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_FIRST_FRAME_PROMPT)  # first/last-frame, first-frame
+    # captions (training/cache/start_image_prompt.py)
     reference_prompts = (MINIMAX_H3_REFERENCES,)  # reference images in the prompt (training/cache/reference_prompt.py)
 
     def takes_reference_prompt(self, clip: object) -> bool:
