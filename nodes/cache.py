@@ -9,7 +9,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..training.cache import reference_prompt
-from ..training.cache.clip_sound import ClipSound
+from ..training.cache.clip_sound import AUDIO_GUIDES, NO_GUIDE, ClipSound
 from ..training.cache.encoders import text_encoder_problems
 from ..training.cache.keys import TEXT_STORE_DTYPES
 from ..training.cache.s2v_sound import S2VSound
@@ -17,6 +17,7 @@ from ..training.cache.start_image import NO_START_IMAGE, START_IMAGE_MODES, Star
 from ..training.cache.store import build_cache
 from ..training.cache.vace_control import VACE_CONTROL_MODES, VaceControl
 from ..training.data.dataset import is_audio, is_picture, is_video
+from .advanced import advanced
 from .checks import preflight
 from .load_video import LoadVideoReader
 from .run.progress_text import show_text
@@ -85,6 +86,10 @@ class PipeTrainerCache(io.ComfyNode):
                                       tooltip="Wan 2.2 S2V only: wav2vec2 from 'Load Audio Encoder'. Caches each "
                                               "clip's sound (16 fps) as WanSoundImageToVideo gets it, and its first "
                                               "frame as the reference image. README: Cache."),
+                io.Combo.Input("audio_guide", options=list(AUDIO_GUIDES), default=NO_GUIDE, optional=True,
+                               tooltip="MiniMax-H3: clip_sound caches each clip's sound as MiniMaxH3AddGuide's "
+                                       "audio guide at frame 0 (sound-driven video); needs audio_vae. none: other "
+                                       "models.", **advanced()),
             ],
             outputs=[Cache.Output(display_name="cache", tooltip="Cached training examples for Train LoRA."),
                      io.String.Output(display_name="report", tooltip="Encoded / reused / skipped, file by file.")],
@@ -94,7 +99,8 @@ class PipeTrainerCache(io.ComfyNode):
     @classmethod
     def execute(cls, dataset, vae, clip, text_dtype: str = "bf16", start_image: str = NO_START_IMAGE,
                 clip_vision=None, reference_in_prompt: str = reference_prompt.AUTO,
-                vace_control: str = "off", audio_vae=None, audio_encoder=None) -> io.NodeOutput:
+                vace_control: str = "off", audio_vae=None, audio_encoder=None,
+                audio_guide: str = NO_GUIDE) -> io.NodeOutput:
         bar = comfy.utils.ProgressBar(1)
 
         def progress(done: int, total: int) -> None:
@@ -110,7 +116,7 @@ class PipeTrainerCache(io.ComfyNode):
         style, prompt_problems = reference_prompt.choose(reference_in_prompt, clip, counts["pictures"],
                                                          counts["audio"], counts["videos"])
         s2v = S2VSound(audio_encoder)  # refuses an encoder that is not wav2vec2, naming the loader
-        sound = ClipSound(audio_vae)  # refuses a VAE that is no audio VAE it knows (LTX-2, MiniMax-H3), naming the loaders
+        sound = ClipSound(audio_vae, audio_guide)  # refuses a VAE that is no audio VAE it knows (LTX-2, MiniMax-H3), naming the loaders
         flip = getattr(dataset, "flip", "none")
         problems = (start.problems() or vace.problems(dataset.entries, flip)
                     or s2v.problems(dataset.bucket_settings.fps, flip)

@@ -137,7 +137,7 @@ def test_reference_audio_a_model_would_ignore_is_refused_before_step_0(comfy_roo
     inputs = checks.model_inputs(qwen_image_small().model)
     shapes = _shapes({"clip.png": (16, 1, 8, 8)}, {"clip.png": {"reference_0": (16, 8, 8), "ref_audio_0": (32, 2, 5)}})
     problems = checks.extra_problems(shapes, inputs.extras, "QwenImage")
-    assert len(problems) == 1 and "reference audio" in problems[0] and "'ref_audio_0'" in problems[0], problems
+    assert len(problems) == 1 and "reference or guide media" in problems[0] and "'ref_audio_0'" in problems[0], problems
     assert "remove the audio files and videos" in problems[0]
 
 

@@ -20,6 +20,7 @@ host's torchaudio, which the node resamples with, is a stub). Current ComfyUI on
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -262,3 +263,48 @@ def test_reference_audio_without_a_style_that_takes_it_is_refused_with_the_fix(h
     with pytest.raises(ValueError, match="reference audio.*reference_in_prompt auto or minimax_h3_references"):
         build_cache(dataset, h3_sound_refs["vae"], h3_sound_refs["clip"], tmp_path / "c2",
                     sound=ClipSound(h3_sound_refs["audio_vae"]))
+
+
+def test_the_sound_guide_is_comfyuis_add_guide_of_the_clips_sound_at_frame_0(h3_sound_refs, tmp_path):
+    """``audio_guide clip_sound`` with ``start_image first_keyframe``: MiniMaxH3ImageToVideo with the first frame,
+    then MiniMaxH3AddGuide with the clip's kept sound at frame 0 (the talking-picture graph). The cached
+    ``guide_audio`` is the guide's ``audio_latent``, the keyframe the node's, and the captions carry the frame only."""
+    from comfy_extras.nodes_minimax_h3 import MiniMaxH3AddGuide, MiniMaxH3ImageToVideo
+    from pipetrainer.training.cache.buckets import Bucket
+    from pipetrainer.training.cache.clip_sound import GUIDE_AUDIO, ClipSound
+    from pipetrainer.training.cache.media import load_video
+    from pipetrainer.training.cache.start_image import KEYFRAME_FIRST, StartImage
+    from pipetrainer.training.cache.store import build_cache
+    from pipetrainer.training.data.dataset import ImageEntry, scan_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_clip(data / "talk.mov", seconds=1.0, signal=_tone(1.0, 220.0), sr=RATE)
+    (data / "talk.txt").write_text("a face talking", encoding="utf-8")
+    sound = ClipSound(h3_sound_refs["audio_vae"], "clip_sound")
+    five = dataclasses.replace(SETTINGS, max_frames=5)  # 6667 samples: VAE.encode's crop shifts the guide's start
+    result = build_cache(scan_dataset(data, 64, buckets=five), h3_sound_refs["vae"], h3_sound_refs["clip"],
+                         tmp_path / "cache", start_image=StartImage("first_keyframe"), sound=sound)
+    _, example = _by_source(result)["talk.mov"]
+    frames = 4 * (example.latent.shape[-3] - 1) + 1
+    bucket = Bucket(8 * example.latent.shape[-1], 8 * example.latent.shape[-2], frames)
+    pixels = load_video(str(data / "talk.mov"), bucket, SETTINGS.fps)
+    samples, rate = sound.waveform(ImageEntry(str(data / "talk.mov"), ""), bucket, SETTINGS.fps)
+    out = MiniMaxH3ImageToVideo.execute(h3_sound_refs["clip"], h3_sound_refs["vae"], "a face talking", bucket.width,
+                                        bucket.height, frames, first_frame=pixels[:1])
+    positive, latent = out.args if hasattr(out, "args") else out
+    guided = MiniMaxH3AddGuide.execute(positive, latent, 0, audio_vae=h3_sound_refs["audio_vae"],
+                                       audio={"waveform": samples[None], "sample_rate": rate})
+    conditioning = (guided.args if hasattr(guided, "args") else guided)[0]
+    first, guide = conditioning[0][1]["minimax_keyframes"]
+    assert guide["resolved_frame_index"] == 0 and "latent" not in guide
+    node = guide["audio_latent"][0].float()
+    assert frames == 5 and example.extras[GUIDE_AUDIO].shape == node.shape == example.extras["audio_latent"].shape
+    assert not torch.allclose(example.extras[GUIDE_AUDIO], example.extras["audio_latent"], atol=1e-3)  # not the target
+    assert torch.allclose(example.extras[GUIDE_AUDIO], node, rtol=0, atol=1e-5 * node.abs().max().item())
+    assert torch.allclose(example.extras[KEYFRAME_FIRST], first["latent"][0].float(), rtol=0, atol=1e-4)
+    cond = conditioning[0][0][0].float()
+    assert example.cond.shape == cond.shape and torch.allclose(example.cond.float(), cond, rtol=0,
+                                                               atol=1e-6 * cond.abs().max().item())
+    with pytest.raises(ValueError, match="audio_guide.*audio_vae"):
+        ClipSound(None, "clip_sound")

@@ -88,6 +88,21 @@ def h3_first_keyframe_kwargs(cond, pooled, options, extras):
     return kwargs
 
 
+def _sound_guide_extras(model, x0, g):
+    """Image-to-video with the clip's sound as an audio guide at frame 0 (MiniMaxH3ImageToVideo with first_frame,
+    then MiniMaxH3AddGuide with audio): the first frame's latent, the guide's audio latent and the tags."""
+    return {**_first_keyframe_extras(model, x0, g), "guide_audio": torch.randn(1, 32, 2, AUDIO_FRAMES, generator=g)}
+
+
+def h3_sound_guide_kwargs(cond, pooled, options, extras):
+    """``minimax_keyframes``: the first frame at pixel frame 0, then the guide's audio at frame 0."""
+    kwargs = h3_first_keyframe_kwargs(cond, pooled, options, extras)
+    guide = {"resolved_frame_index": 0, "audio_latent": extras["guide_audio"]}
+    payload = kwargs["minimax_payload"]
+    payload.update(keyframes=[*payload["keyframes"], guide], cond_audio_latents=[guide["audio_latent"]])
+    return kwargs
+
+
 REFERENCES = ((24, 4, 4), (24, 2, 6))  # two reference images, each at its own latent size [C, h, w]
 
 
@@ -177,6 +192,9 @@ ROWS = [
     Row("MiniMaxH3", "the same model in image-to-video mode: the first frame's keyframe condition rows alone",
         load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
         comfy_kwargs=h3_first_keyframe_kwargs, extras=_first_keyframe_extras, id="MiniMaxH3 first keyframe"),
+    Row("MiniMaxH3", "the same model in image-to-video mode with the clip's sound as an audio guide at frame 0",
+        load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT, tokens=len(TAGS),
+        comfy_kwargs=h3_sound_guide_kwargs, extras=_sound_guide_extras, id="MiniMaxH3 sound guide"),
     Row("MiniMaxH3", "the same model in reference mode: two reference images' condition rows, each at its own size, "
         "and their vision tokens in the prompt", load=lambda comfy_root, fixture_paths: h3_small(), latent=LATENT,
         tokens=len(TAGS), comfy_kwargs=h3_reference_kwargs, extras=_reference_extras, id="MiniMaxH3 references"),

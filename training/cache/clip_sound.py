@@ -22,6 +22,9 @@ from .buckets import Bucket
 from .keys import audio_key
 
 AUDIO_LATENT = "audio_latent"  # the extra the LTX-2 and MiniMax-H3 families join to the video latent
+GUIDE_AUDIO = "guide_audio"  # MiniMax-H3's audio guide at frame 0 (MiniMaxH3AddGuide), with audio_guide clip_sound
+NO_GUIDE = "none"
+AUDIO_GUIDES = (NO_GUIDE, "clip_sound")  # the Cache node's audio_guide choices
 SILENCE_TRACK = "silence"  # the track identity of an item without sound
 # What of this encode changes the cached latent besides the weights: bump "v" when the steps change.
 _IDENTITY = {"without_sound": "encoded silence", "v": 1}
@@ -48,10 +51,23 @@ def without_track_note(paths, treatment: str) -> str | None:
 
 class ClipSound:
     """Per item: the ``audio`` part of the latent key (:meth:`key_part`) and the encoded ``audio_latent``
-    (:meth:`encode`); inert without an audio VAE."""
+    (:meth:`encode`); inert without an audio VAE.
 
-    def __init__(self, audio_vae=None):
+    ``guide`` ``clip_sound`` (the Cache node's ``audio_guide``) also encodes the same kept span as MiniMax-H3's
+    ``MiniMaxH3AddGuide`` anchors an audio guide at frame 0: the whole span through ``encode_whole`` (``VAE.encode``'s
+    crop to whole latent frames), cut to the clip's audio length, in ``guide_audio``: sound-driven video."""
+
+    def __init__(self, audio_vae=None, guide: str = NO_GUIDE):
+        if guide not in AUDIO_GUIDES:
+            raise ValueError(f"audio_guide must be one of {', '.join(AUDIO_GUIDES)} (got {guide!r}).")
+        if guide != NO_GUIDE and audio_vae is None:
+            raise ValueError("audio_guide clip_sound encodes each clip's sound as an audio guide with the model's audio "
+                             "VAE: connect it to the Cache node's audio_vae input, or set audio_guide to none.")
+        self.guide = guide
         self.codec = codec_for(audio_vae) if audio_vae is not None else None
+        if guide != NO_GUIDE and not hasattr(self.codec, "encode_whole"):
+            raise ValueError("audio_guide is MiniMax-H3's (MiniMaxH3AddGuide) and this audio VAE is not: connect "
+                             "MiniMax-H3's audio VAE ('Load VAE'), or set audio_guide to none.")
         self.vae = self.codec.model if self.codec is not None else None
         self._dtype = str(getattr(audio_vae, "vae_dtype", ""))
         self.without_track: dict[str, None] = {}  # clips keyed so far that have no audio track, in order
@@ -78,7 +94,9 @@ class ClipSound:
         if not self.active:
             return {}
         track = track_of(entry, self.without_track)
-        return {"audio": audio_key(track, audio_preprocessing(self.codec.rate, self.codec.channels), self.identity())}
+        guide = {"guide": {"mode": self.guide, "frame_idx": 0, "v": 1}} if self.guide != NO_GUIDE else {}
+        return {"audio": audio_key(track, audio_preprocessing(self.codec.rate, self.codec.channels), self.identity()),
+                **guide}
 
     def waveform(self, entry, bucket: Bucket, fps: float) -> tuple[torch.Tensor, int]:
         """``(samples [ch, n], rate)`` the item's audio latent encodes: its kept span, or silence as long."""
@@ -92,7 +110,15 @@ class ClipSound:
         if not self.active:
             return {}
         samples, rate = self.waveform(entry, bucket, fps)
-        return {AUDIO_LATENT: self.codec.encode(samples, rate, bucket.frames, fps).contiguous()}
+        out = {AUDIO_LATENT: self.codec.encode(samples, rate, bucket.frames, fps).contiguous()}
+        if self.guide != NO_GUIDE:
+            out[GUIDE_AUDIO] = self._guide(samples, rate, bucket.frames)
+        return out
+
+    def _guide(self, samples: torch.Tensor, rate: int, frames: int) -> torch.Tensor:
+        """``MiniMaxH3AddGuide``'s ``audio_latent`` for the clip's sound at frame 0: all of it encoded, cut to the
+        clip's audio latent frames (``max_rt`` at frame 0)."""
+        return self.codec.encode_whole(samples, rate)[..., :self.codec.latent_frames(frames)].contiguous()
 
     def encode_reference(self, path: str) -> torch.Tensor:
         """A reference audio file's latent ``[C, ch, Ta]``: the whole track at the audio VAE's rate and channels,

@@ -139,7 +139,8 @@ def reference_extra(index: int) -> str:
 
 
 REFERENCE_AUDIO_PREFIX = "ref_audio_"
-REFERENCE_MEDIA_PREFIXES = (REFERENCE_AUDIO_PREFIX, "ref_video_")  # reference audio, videos and their tracks
+REFERENCE_MEDIA_PREFIXES = (REFERENCE_AUDIO_PREFIX, "ref_video_", "guide_")  # reference audio, videos, their
+# tracks, and guides (MiniMax-H3's): extras only a family that takes them may find in a cache
 
 
 def reference_audio_extra(index: int) -> str:

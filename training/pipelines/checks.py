@@ -252,8 +252,9 @@ def extra_problems(shapes: CachedShapes, specs: Mapping[str, ExtraSpec], family:
                    "model, and cache again.")
     if unheard:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unheard.items()))
-        out.append(f"The cache holds reference audio or videos the {family} model would ignore ({held}): remove the "
-                   "audio files and videos from the control folder (or load the model they are for) and cache again.")
+        out.append(f"The cache holds reference or guide media the {family} model would ignore ({held}): remove the "
+                   "audio files and videos from the control folder, set audio_guide to none (or load the model they "
+                   "are for) and cache again.")
     if unused_start:
         held = "; ".join(f"'{name}' for {_named(sources)}" for name, sources in sorted(unused_start.items()))
         takes = sorted(n for n in specs if n in START_IMAGE_EXTRAS)

@@ -54,7 +54,9 @@ target audio, at ``max(t_a, AUDIO_COND_TIMESTEP)``, each one shifting the target
 labels it ``<Audio j>``. Reference videos (``ref_videos``) add ``ref_img`` rows of their latent frames, each after its
 sound track's ``ref_audio`` rows (``ref_video_audios``), between the pictures' rows and the audio's, as
 ``PackedLayout`` packs kinds ``video`` and ``video_audio`` (training/pipelines/minimax_h3_conditions.py lists every
-condition extra). ``MiniMaxH3AddGuide`` guides are not fed yet; a LoRA trained in any mode is sampled by every mode. Blocks update the residual stream in place
+condition extra). ``MiniMaxH3AddGuide``'s audio guide at frame 0 (the Cache node's ``audio_guide``) adds
+``cond_audio`` rows after the keyframes' rows at the same clean audio timestep; its image and clip guides, and guides at
+other frames, are not fed yet. A LoRA trained in any mode is sampled by every mode. Blocks update the residual stream in place
 (``addcmul_`` on segment views), so each runs on a private copy under :mod:`.out_of_place`. Only current ComfyUI has
 ``MiniMaxH3``.
 """
@@ -252,7 +254,7 @@ class MiniMaxH3Embed(StageLayer):
         b = packed.shape[0]
         v_shape, a_shape, conditions, _ = Sizes.read(sizes, b)
         vx, ax = unpack_streams(packed, (v_shape, a_shape))
-        videos = len(latents) - conditions.references.sound_latents  # video condition latents first, then the audio
+        videos = len(latents) - conditions.sound_latents  # video condition latents first, then the audio ones
         rows = []
         for i in range(b):
             n = int(tokens[i, 0])

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..cache.clip_sound import GUIDE_AUDIO
 from ..cache.start_image_prompt import START_IMAGE_PROMPT
 from .base import ExtraSpec, reference_audio_extra, reference_extra, reference_video_audio_extra, reference_video_extra
 from .minimax_h3_layout import KEYFRAMES, REF_IMAGE, REF_VIDEO, VIDEO_TAG, Conditions
@@ -26,6 +27,9 @@ def condition_extras(dm) -> dict[str, ExtraSpec]:
         out[name] = ExtraSpec(shape=("C", "*", "H", "W"), required=False, keeps_float32=True,
                               description=f"the clip's {frame} frame encoded alone (MiniMaxH3ImageToVideo's "
                                           f"{frame}_frame), a keyframe condition")
+    out[GUIDE_AUDIO] = ExtraSpec(shape=(int(dm.audio_latents_dim), 2, "*"), required=False, keeps_float32=True,
+                                 description="the clip's sound as MiniMaxH3AddGuide's audio guide at frame 0 (the "
+                                             "Cache node's audio_guide clip_sound), a condition")
     out[START_IMAGE_PROMPT] = ExtraSpec(shape=(1,), source="text", required=False,
                                         description="the image tokens of the frames in the caption's prompt")
     for i in range(MAX_REFERENCES):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.clip_sound import GUIDE_AUDIO
 from ..cache.start_image import KEYFRAME_FIRST, KEYFRAME_LAST
 
 KEYFRAMES = (KEYFRAME_FIRST, KEYFRAME_LAST)  # first_frame at pixel frame 0, last_frame at the last: ComfyUI's order
@@ -34,14 +35,15 @@ def from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 class Sizes:
     """``sizes`` int64: video ``(C, T, H, W)``, audio ``(C, ch, Ta)``, the condition rows (:class:`Conditions`: which
-    of :data:`KEYFRAMES` as bits and their latent frames, the reference count and each one's block, 4 numbers), then
-    the rotary ``inv_freq`` bits."""
+    of :data:`KEYFRAMES` as bits, their latent frames and the audio guide's, the reference count and each one's
+    block), then the rotary ``inv_freq`` bits."""
 
     @staticmethod
     def make(v_shape: Sequence[int], a_shape: Sequence[int], conditions: Conditions,
              inv_freq_bits: torch.Tensor | None = None) -> torch.Tensor:
         refs = conditions.references.blocks
-        head = torch.tensor([*v_shape[1:], *a_shape[1:], conditions.keyframes.which, conditions.keyframes.frames,
+        kf = conditions.keyframes
+        head = torch.tensor([*v_shape[1:], *a_shape[1:], kf.which, kf.frames, kf.audio,
                              len(refs), *(s for block in refs for s in block)], dtype=torch.int64)
         return head if inv_freq_bits is None else torch.cat([head, inv_freq_bits.view(-1)])
 
@@ -49,18 +51,20 @@ class Sizes:
     def read(sizes: torch.Tensor, batch: int):
         v = [batch, *(int(s) for s in sizes[0:4])]
         a = [batch, *(int(s) for s in sizes[4:7])]
-        n, w = int(sizes[9]), References.WIDTH
-        refs = References(tuple(tuple(int(s) for s in sizes[10 + w * i:10 + w * (i + 1)]) for i in range(n)))
-        return v, a, Conditions(Keyframes(int(sizes[7]), int(sizes[8])), refs), sizes[10 + w * n:]
+        n, w = int(sizes[10]), References.WIDTH
+        refs = References(tuple(tuple(int(s) for s in sizes[11 + w * i:11 + w * (i + 1)]) for i in range(n)))
+        return v, a, Conditions(Keyframes(*(int(s) for s in sizes[7:10])), refs), sizes[11 + w * n:]
 
 
 @dataclass(frozen=True)
 class Keyframes:
     """Which keyframes condition the clip (bit ``i``: ``KEYFRAMES[i]``) and their latent frames (each is one image
-    encoded alone, as ``MiniMaxH3ImageToVideo`` encodes ``first_frame`` and ``last_frame``)."""
+    encoded alone, as ``MiniMaxH3ImageToVideo`` encodes ``first_frame`` and ``last_frame``), then the audio guide's
+    latent frames (``MiniMaxH3AddGuide`` with the clip's sound at frame 0; 0: none)."""
 
     which: int = 0
     frames: int = 0
+    audio: int = 0
 
     @staticmethod
     def of(extras: Mapping[str, torch.Tensor]) -> Keyframes:
@@ -69,7 +73,8 @@ class Keyframes:
         if len(frames) > 1:
             raise ValueError(f"MiniMax-H3 keyframe latents of {sorted(frames)} frames in one example: each keyframe is "
                              "one image encoded alone; cache again.")
-        return Keyframes(which, frames.pop() if frames else 0)
+        audio = int(extras[GUIDE_AUDIO].shape[-1]) if GUIDE_AUDIO in extras else 0
+        return Keyframes(which, frames.pop() if frames else 0, audio)
 
     def names(self) -> list[str]:
         return [name for i, name in enumerate(KEYFRAMES) if self.which >> i & 1]
@@ -83,7 +88,10 @@ class Keyframes:
         frame_count = sum(FRAME_PER_TOKEN[k % 5] for k in range(latent_t))
         index = {KEYFRAME_FIRST: 0, KEYFRAME_LAST: frame_count - 1}
         shape = torch.empty((1, 1, self.frames, 1, 1), device="meta")
-        return [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
+        out = [{"resolved_frame_index": index[name], "latent": shape} for name in self.names()]
+        if self.audio:  # MiniMaxH3AddGuide appends its guide after the node's keyframes
+            out.append({"resolved_frame_index": 0, "audio_latent": torch.empty((1, 1, 1, self.audio), device="meta")})
+        return out
 
 
 REF_IMAGE, REF_AUDIO, REF_VIDEO = 0, 1, 2  # a reference block's kind: ComfyUI's minimax_refs kinds
@@ -176,6 +184,11 @@ class Conditions:
         """The extras whose latents become video condition rows, in the order ``_cond_video_rows`` takes them."""
         return self.keyframes.names() + reference_names(extras) + reference_video_names(extras)
 
+    @property
+    def sound_latents(self) -> int:
+        """Audio condition latents: the audio guide's, the reference videos' tracks and the reference audio."""
+        return int(self.keyframes.audio > 0) + self.references.sound_latents
+
     @staticmethod
     def audio_names(extras: Mapping[str, torch.Tensor]) -> list[str]:
         """The extras whose latents become audio condition rows, in the order ``_cond_audio_rows`` takes them: the
@@ -183,13 +196,14 @@ class Conditions:
         from .base import reference_video_audio_extra
 
         tracks = [reference_video_audio_extra(k) for k in range(len(reference_video_names(extras)))]
-        return [name for name in tracks if name in extras] + reference_audio_names(extras)
+        guide = [GUIDE_AUDIO] if GUIDE_AUDIO in extras else []  # the keyframes' audio comes first
+        return guide + [name for name in tracks if name in extras] + reference_audio_names(extras)
 
 
 class Meta:
     """Per example, int64: caption tokens, float32 bits of the video sigma, the rows of the video, the audio, the
     table's length, then the video condition rows' timestep (keyframes and reference pictures alike) and the audio
-    condition rows' (reference audio) in its table of distinct timesteps (-1: none)."""
+    condition rows' (the audio guide, reference audio) in its table of distinct timesteps (-1: none)."""
 
     @staticmethod
     def read(meta: torch.Tensor, i: int) -> tuple[int, torch.Tensor, int, int, int, int, int]:
@@ -238,7 +252,7 @@ class ExampleStructure:
         runs of the text encoder's token tags (vision tokens carry the video tag)."""
         rows = {"audio": 3 * self.row_a + AUDIO_TAG, "video": 3 * self.row_v + VIDEO_TAG,
                 "cond": 3 * self.row_c + VIDEO_TAG, "ref_img": 3 * self.row_c + VIDEO_TAG,
-                "ref_audio": 3 * self.row_ca + AUDIO_TAG}
+                "ref_audio": 3 * self.row_ca + AUDIO_TAG, "cond_audio": 3 * self.row_ca + AUDIO_TAG}
         out = []
         for a, b, kind in self.layout.segments:
             if kind == "text":
