@@ -203,6 +203,7 @@ EXAMPLES = {
     "pipetrainer_minimax_h3": ("MiniMaxH3", {}, {"audio_vae"}),
     "pipetrainer_minimax_h3_fl2va": ("MiniMaxH3", {}, {"audio_vae", "first_last_frames"}),
     "pipetrainer_minimax_h3_ref2va": ("MiniMaxH3", {}, {"audio_vae", "control_folder"}),
+    "pipetrainer_minimax_h3_talking": ("MiniMaxH3", {}, {"audio_vae", "first_keyframe", "audio_guide"}),
     "pipetrainer_anima": ("Anima", {}, set()),
     "pipetrainer_omnigen2": ("Omnigen2", {}, set()),
     "pipetrainer_kandinsky5_image": ("Kandinsky5Image", {}, set()),
@@ -260,6 +261,8 @@ def test_each_example_sets_its_family_options_and_data(api_file, object_info):
     assert (start == "first_frame") == ("start_image" in needs)
     assert (start == "first_frame_alone") == ("start_image_alone" in needs)
     assert (start == "first_last_frames") == ("first_last_frames" in needs)
+    assert (start == "first_keyframe") == ("first_keyframe" in needs)
+    assert (cache["inputs"].get("audio_guide", "none") != "none") == ("audio_guide" in needs)
     assert isinstance(cache["inputs"].get("clip_vision"), list) == ("clip_vision" in needs)
     assert isinstance(cache["inputs"].get("audio_vae"), list) == ("audio_vae" in needs)
     assert isinstance(cache["inputs"].get("audio_encoder"), list) == ("audio_encoder" in needs)
