@@ -47,9 +47,8 @@ class PipeTrainerCache(io.ComfyNode):
                         "also caches each item's start-image conditioning as WanImageToVideo (and, with a CLIP "
                         "vision model, CLIP Vision Encode) builds it; for HunyuanVideo 1.5 I2V, first_frame_alone as "
                         "HunyuanVideo15ImageToVideo does; for MiniMax-H3, first_last_frames as MiniMaxH3ImageToVideo "
-                        "with both frames (first_keyframe: first_frame only). Reports cached / reused / re-encoded "
-                        "(why) / "
-                        "skipped (why).",
+                        "with both frames (first_keyframe, last_keyframe: one of them). Reports cached / reused / "
+                        "re-encoded (why) / skipped (why).",
             inputs=[
                 Dataset.Input("dataset", tooltip="From the Dataset node."),
                 io.Vae.Input("vae", tooltip="The VAE of the model family you train; it also encodes the "
@@ -64,7 +63,7 @@ class PipeTrainerCache(io.ComfyNode):
                 io.Combo.Input("start_image", options=list(START_IMAGE_MODES), default=NO_START_IMAGE, optional=True,
                                tooltip="first_frame: WanImageToVideo (Wan I2V); first_frame_alone: "
                                        "HunyuanVideo15ImageToVideo / HunyuanImageToVideo; first_last_frames, "
-                                       "first_keyframe: MiniMaxH3ImageToVideo; none: text-to-video."),
+                                       "first_keyframe, last_keyframe: MiniMaxH3ImageToVideo; none: text only."),
                 io.ClipVision.Input("clip_vision", optional=True,
                                     tooltip="The I2V workflow's CLIP vision model: clip_vision_h (Wan 2.1 I2V), "
                                             "sigclip_vision_patch14_384 (HunyuanVideo 1.5), llava_llama3_vision "

@@ -237,7 +237,7 @@ def test_cache_node_offers_the_option_and_refuses_an_unused_clip_vision(i2v):
 
     inputs = {i.id: i for i in PipeTrainerCache.define_schema().inputs}
     assert inputs["start_image"].options == ["none", "first_frame", "first_frame_alone", "first_last_frames",
-                                             "first_keyframe"]
+                                             "first_keyframe", "last_keyframe"]
     assert inputs["start_image"].default == "none"
     assert inputs["start_image"].optional and inputs["clip_vision"].optional
     assert inputs["clip_vision"].get_io_type() == "CLIP_VISION"

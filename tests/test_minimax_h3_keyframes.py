@@ -81,13 +81,14 @@ def test_the_trainer_anchors_the_last_frame_where_the_node_does(comfy_root, leng
     assert [a["resolved_frame_index"] for a in Keyframes(which=2, frames=1).anchors(latent_t)] == [frames - 1]
 
 
-def _node(clip, vae, caption: str, pixels: torch.Tensor, last: bool = True) -> dict:
-    """``MiniMaxH3ImageToVideo``'s positive conditioning for the clip's first (and last) frames at its size."""
+def _node(clip, vae, caption: str, pixels: torch.Tensor, first: bool = True, last: bool = True) -> dict:
+    """``MiniMaxH3ImageToVideo``'s positive conditioning for the clip's first and last frames at its size (or one)."""
     from comfy_extras.nodes_minimax_h3 import MiniMaxH3ImageToVideo
 
     height, width = pixels.shape[1:3]
     result = MiniMaxH3ImageToVideo.execute(clip, vae, caption, width, height, pixels.shape[0],
-                                           first_frame=pixels[:1], last_frame=pixels[-1:] if last else None)
+                                           first_frame=pixels[:1] if first else None,
+                                           last_frame=pixels[-1:] if last else None)
     positive = result.args[0] if hasattr(result, "args") else result[0]
     return {"cond": positive[0][0], **positive[0][1]}
 
@@ -121,22 +122,26 @@ def test_cached_text_tags_and_keyframes_equal_comfyuis_minimax_h3_image_to_video
         assert not torch.allclose(example.extras[KEYFRAME_FIRST], example.extras[KEYFRAME_LAST]), name
 
 
-def test_first_keyframe_is_comfyuis_image_to_video_with_the_first_frame_alone(h3_frames, tmp_path):
-    """``start_image = first_keyframe``: the node with ``first_frame`` only, its cond, tags and one keyframe."""
-    cached = _by_source(h3_frames["run"](tmp_path / "cache", start=StartImage("first_keyframe")))
+@pytest.mark.parametrize("mode", ["first_keyframe", "last_keyframe"])
+def test_one_keyframe_is_comfyuis_image_to_video_with_that_frame_alone(h3_frames, tmp_path, mode):
+    """``start_image = first_keyframe`` (``last_keyframe``): the node with ``first_frame`` (``last_frame``) only, its
+    cond, tags and one keyframe, anchored where the node anchors it."""
+    first = mode == "first_keyframe"
+    mine, other = (KEYFRAME_FIRST, KEYFRAME_LAST) if first else (KEYFRAME_LAST, KEYFRAME_FIRST)
+    cached = _by_source(h3_frames["run"](tmp_path / "cache", start=StartImage(mode)))
     for name, caption in CAPTIONS.items():
         _, example = cached[name]
-        theirs = _node(h3_frames["clip"], h3_frames["vae"], caption,
-                       _frames(h3_frames["data"], name, example.latent.shape[1]), last=False)
-        assert KEYFRAME_LAST not in example.extras and KEYFRAME_FIRST in example.extras, name
+        pixels = _frames(h3_frames["data"], name, example.latent.shape[1])
+        theirs = _node(h3_frames["clip"], h3_frames["vae"], caption, pixels, first=first, last=not first)
+        assert other not in example.extras and mine in example.extras, name
         cond = theirs["cond"][0].float()
         assert example.cond.shape == cond.shape, name  # one picture in the prompt, not two
         assert torch.allclose(example.cond.float(), cond, rtol=0, atol=1e-6 * cond.abs().max().item()), name
         assert torch.equal(example.extras[IMAGE_TOKEN_TAGS], theirs["minimax_token_tags"]), name
-        (first,) = theirs["minimax_keyframes"]
-        assert first["resolved_frame_index"] == 0
-        node = first["latent"][0].float()
-        assert torch.allclose(example.extras[KEYFRAME_FIRST], node, rtol=0, atol=1e-5 * node.abs().max().item()), name
+        (keyframe,) = theirs["minimax_keyframes"]
+        assert keyframe["resolved_frame_index"] == (0 if first else _h3_frames(pixels.shape[0]) - 1)
+        node = keyframe["latent"][0].float()
+        assert torch.allclose(example.extras[mine], node, rtol=0, atol=1e-5 * node.abs().max().item()), name
 
 
 def test_a_changed_clip_re_encodes_its_own_entries_only(h3_frames, tmp_path):

@@ -27,7 +27,8 @@ MiniMax-H3's first/last-frame mode (``start_image = first_last_frames``) conditi
 alone (``keyframe_first``, ``keyframe_last``; the model re-injects them as clean condition rows every step), and
 both frames in the prompt of every caption (start_image_prompt.py). The frames are the item's first and last kept
 frames at its bucket (``keyframe_images``). Its image-to-video mode (``start_image = first_keyframe``: the node with
-``first_frame`` only) is the same with the first frame alone.
+``first_frame`` only) is the same with the first frame alone, and ``last_keyframe`` (``last_frame`` only) with the
+last frame alone.
 """
 
 from __future__ import annotations
@@ -38,18 +39,20 @@ import torch
 
 from .encoders import _unpatched_weights, weights_fingerprint
 
-START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone", "first_last_frames", "first_keyframe")
+START_IMAGE_MODES = ("none", "first_frame", "first_frame_alone", "first_last_frames", "first_keyframe", "last_keyframe")
 NO_START_IMAGE = "none"
 FIRST_FRAME_ALONE = "first_frame_alone"  # HunyuanVideo 1.5 and 1.0 I2V (HunyuanVideo15ImageToVideo, ...)
 FIRST_LAST_FRAMES = "first_last_frames"  # MiniMax-H3 first/last-frame (MiniMaxH3ImageToVideo with both frames)
 FIRST_KEYFRAME = "first_keyframe"  # MiniMax-H3 image-to-video (MiniMaxH3ImageToVideo with first_frame only)
+LAST_KEYFRAME = "last_keyframe"  # MiniMax-H3 toward a last frame (MiniMaxH3ImageToVideo with last_frame only)
 CONCAT_LATENT = "concat_latent"  # the extra names the Wan family reads (training/pipelines/wan.py)
 CLIP_FEA = "clip_fea"
 CONCAT_LATENT_ALONE = "concat_latent_alone"  # the HunyuanVideo 1.5 family's (training/pipelines/hunyuan_video15.py)
 CLIP_VISION_LAST = "clip_vision_last"
 KEYFRAME_FIRST = "keyframe_first"  # the extra names the MiniMax-H3 family reads (training/pipelines/minimax_h3.py)
 KEYFRAME_LAST = "keyframe_last"
-KEYFRAME_MODES = {FIRST_LAST_FRAMES: (KEYFRAME_FIRST, KEYFRAME_LAST), FIRST_KEYFRAME: (KEYFRAME_FIRST,)}  # encoded alone
+KEYFRAME_MODES = {FIRST_LAST_FRAMES: (KEYFRAME_FIRST, KEYFRAME_LAST), FIRST_KEYFRAME: (KEYFRAME_FIRST,),  # each encoded
+                  LAST_KEYFRAME: (KEYFRAME_LAST,)}  # alone
 START_IMAGE_EXTRAS = (CONCAT_LATENT, CLIP_FEA, CONCAT_LATENT_ALONE, CLIP_VISION_LAST, KEYFRAME_FIRST, KEYFRAME_LAST)
 GRAY = 0.5  # WanImageToVideo's value for the frames after the start image
 CLIP_CROP = "none"  # CLIP Vision Encode's crop in ComfyUI's Wan image-to-video template: squash, no crop

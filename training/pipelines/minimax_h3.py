@@ -88,6 +88,7 @@ from .minimax_h3_layout import (
 from .minimax_h3_prompt import (
     MINIMAX_H3_FIRST_FRAME_PROMPT,
     MINIMAX_H3_FRAMES_PROMPT,
+    MINIMAX_H3_LAST_FRAME_PROMPT,
     MINIMAX_H3_REFERENCES,
     reads_images,
 )
@@ -346,8 +347,8 @@ class MiniMaxH3Adapter:
     name = FAMILY
     options_type = MiniMaxH3Options
     text_extras = {IMAGE_TOKEN_TAGS: False}  # ComfyUI's encoder output, one tag per token (no batch axis)
-    start_image_prompts = (MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_FIRST_FRAME_PROMPT)  # first/last-frame, first-frame
-    # captions (training/cache/start_image_prompt.py)
+    # first/last-frame, first-frame, last-frame captions (training/cache/start_image_prompt.py)
+    start_image_prompts = (MINIMAX_H3_FRAMES_PROMPT, MINIMAX_H3_FIRST_FRAME_PROMPT, MINIMAX_H3_LAST_FRAME_PROMPT)
     reference_prompts = (MINIMAX_H3_REFERENCES,)  # reference images in the prompt (training/cache/reference_prompt.py)
 
     def takes_reference_prompt(self, clip: object) -> bool:

@@ -71,7 +71,7 @@ def condition_problem(conditions: Conditions, extras: Mapping[str, torch.Tensor]
     if keyframes and START_IMAGE_PROMPT not in extras:
         return ("This MiniMax-H3 cache has keyframe latents but captions encoded without the frames in the prompt, "
                 "which MiniMaxH3ImageToVideo always puts there: cache again with start_image first_last_frames (or "
-                "first_keyframe) and "
+                "first_keyframe, last_keyframe) and "
                 "MiniMax-H3's text encoder on 'Cache Latents & Text'.")
     if references and not all(bool((row[:int(n)] == VIDEO_TAG).any())  # each caption has its pictures' tokens
                               for row, n in zip(tags, tokens.view(-1), strict=True)):

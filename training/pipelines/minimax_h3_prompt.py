@@ -8,7 +8,8 @@ encoder (CLIP type ``minimax``), whose output also tags each token as text or im
 model modulates as text or video). The cache makes the same two calls on the item's first and last kept frames at
 its bucket (training/cache/start_image.py ``keyframe_images``); the node's third step, the frames' VAE latents, is the latent
 entry's keyframes (training/cache/start_image.py ``first_last_frames``). With ``first_frame`` alone (image-to-video,
-``start_image = first_keyframe``) the same happens with the first frame only.
+``start_image = first_keyframe``) the same happens with the first frame only, and with ``last_frame`` alone
+(``last_keyframe``) with the last frame only.
 
 With ``ref_images`` connected (``ref_image_size`` ``match``, its default), ``MiniMaxH3ReferenceToVideo`` scales each
 reference, keeping its aspect, down to the pixel area of the video it generates (never up), rounds both sides to 32,
@@ -29,7 +30,7 @@ import math
 import torch
 
 from ..cache.reference_prompt import AudioInPrompt, PromptStyle, VideoInPrompt
-from ..cache.start_image import FIRST_KEYFRAME, FIRST_LAST_FRAMES, keyframe_images
+from ..cache.start_image import FIRST_KEYFRAME, FIRST_LAST_FRAMES, LAST_KEYFRAME, keyframe_images
 from ..cache.start_image_prompt import StartImagePromptStyle
 
 REFERENCES_STYLE = "minimax_h3_references"
@@ -51,21 +52,26 @@ def _conditioning(clip, caption: str, images: list, clip_vision_output, interlea
     return clip.encode_from_tokens_scheduled(tokens)
 
 
-MINIMAX_H3_FRAMES_PROMPT = StartImagePromptStyle(
-    node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=reads_images,
-    conditioning=_conditioning, mode=FIRST_LAST_FRAMES, images=keyframe_images, clip_vision=False,
-    needs_encoder="MiniMax-H3: 'Load CLIP' with type minimax")
-
-
 def first_keyframe_image(pixels: torch.Tensor) -> list[torch.Tensor]:
     """``[first]``: the item's first kept frame, as ``MiniMaxH3ImageToVideo`` takes ``first_frame`` alone."""
     return keyframe_images(pixels)[:1]
 
 
-MINIMAX_H3_FIRST_FRAME_PROMPT = StartImagePromptStyle(
-    node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1, takes=reads_images,
-    conditioning=_conditioning, mode=FIRST_KEYFRAME, images=first_keyframe_image, clip_vision=False,
-    needs_encoder="MiniMax-H3: 'Load CLIP' with type minimax")
+def last_keyframe_image(pixels: torch.Tensor) -> list[torch.Tensor]:
+    """``[last]``: the item's last kept frame, as ``MiniMaxH3ImageToVideo`` takes ``last_frame`` alone."""
+    return keyframe_images(pixels)[1:]
+
+
+def _keyframe_style(mode: str, images) -> StartImagePromptStyle:
+    """``MiniMaxH3ImageToVideo`` with the frames ``images`` picks, for the Cache's start_image ``mode``."""
+    return StartImagePromptStyle(node="MiniMaxH3ImageToVideo", version=1, crop="none", interleave=1,
+                                 takes=reads_images, conditioning=_conditioning, mode=mode, images=images,
+                                 clip_vision=False, needs_encoder="MiniMax-H3: 'Load CLIP' with type minimax")
+
+
+MINIMAX_H3_FRAMES_PROMPT = _keyframe_style(FIRST_LAST_FRAMES, keyframe_images)
+MINIMAX_H3_FIRST_FRAME_PROMPT = _keyframe_style(FIRST_KEYFRAME, first_keyframe_image)
+MINIMAX_H3_LAST_FRAME_PROMPT = _keyframe_style(LAST_KEYFRAME, last_keyframe_image)
 
 
 def match_size(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
