@@ -53,7 +53,7 @@ from .media import load_image, load_video
 from .plan import ItemPlan, caches_flip, caption_texts, empty_caption_plans, keyed_texts, latent_variants
 from .prep_extras import extras_signature, item_crop, make_extras
 from .reference_images import ReferenceImages
-from .reference_media import PyAVVideoReader, VideoReader, media_problem
+from .reference_media import VideoReader, media_problem
 from .reference_prompt import PromptStyle
 from .report import CacheReport
 from .s2v_sound import S2VSound
@@ -105,7 +105,8 @@ def fill_cache(dataset: DatasetSpec, encoders: Encoders, cache_dir: str | Path,
     filler = _Filler(Path(cache_dir), dataset, encoders, progress, text_dtype, start_image, reference_prompt)
     filler.vace, filler.sound = vace or VaceControl(), sound or ClipSound()
     filler.s2v = s2v or S2VSound()
-    filler.references.media.read_video = read_video or PyAVVideoReader()
+    if read_video is not None:  # else PyAV's decode (reference_media.py)
+        filler.references.media.read_video = read_video
     try:
         result = filler.run()
     finally:
