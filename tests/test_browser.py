@@ -167,8 +167,12 @@ def test_every_example_opens_from_the_template_browser_without_missing_or_red_no
 
 
 def _open_tiny(page):
+    # Cleared first: the graph the previous test left (another example's) has a Train node too, and the template
+    # loads after the click returns, so the Train node waited for must be the template's own.
+    page.evaluate("() => window.app.graph.clear()")
     _open_template(page, TINY)
-    page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'PipeTrainerTrain')")
+    page.wait_for_function("() => !document.querySelector('[role=dialog]') && "
+                           "window.app.graph._nodes.some(n => n.type === 'PipeTrainerTrain')")
     return page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'PipeTrainerTrain').id")
 
 
